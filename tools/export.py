@@ -1,0 +1,77 @@
+"""Export the chapter notebooks into the minillm package with nbdev.
+
+    python tools/export.py            # write minillm/ from chapters/*.ipynb
+    python tools/export.py --check    # export into a temporary folder and compare
+
+nbdev writes a header into every module naming the notebook it came from; the
+relative path in that header depends on where the library lives, so the check
+exports into a copy with the same layout (tmp/chapters, tmp/minillm).
+"""
+from __future__ import annotations
+
+import argparse
+import filecmp
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from nbdev.export import nb_export
+from nbdev.maker import ModuleMaker
+
+ROOT = Path(__file__).resolve().parent.parent
+HAND_WRITTEN = {"__init__.py", "__main__.py"}  # modules no notebook owns
+
+
+class OwnedModuleMaker(ModuleMaker):
+    """Every module belongs to exactly one notebook, also the ones a cell names with
+    `#| export othermodule`: write it whole (nbdev by default would append to a module
+    that another notebook created first)."""
+
+    def __init__(self, dest, name, nb_path, is_new=True, parse=True, solo_nb=False):
+        super().__init__(dest, name, nb_path, is_new=True, parse=parse, solo_nb=solo_nb)
+
+
+def export(chapters: Path, lib: Path) -> list[Path]:
+    notebooks = sorted(chapters.glob("*.ipynb"))
+    for nb in notebooks:
+        nb_export(str(nb), lib_path=str(lib), mod_maker=OwnedModuleMaker)
+    return notebooks
+
+
+def check() -> list[str]:
+    """Return one message per module that differs from what the notebooks export."""
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        shutil.copytree(ROOT / "chapters", tmp / "chapters")
+        (tmp / "minillm").mkdir()
+        export(tmp / "chapters", tmp / "minillm")
+        fresh = {p.relative_to(tmp / "minillm") for p in (tmp / "minillm").rglob("*.py")}
+        mine = {p.relative_to(ROOT / "minillm") for p in (ROOT / "minillm").rglob("*.py")}
+        for rel in sorted(fresh):
+            if not (ROOT / "minillm" / rel).exists():
+                problems.append(f"minillm/{rel} is missing: run `make export`")
+            elif not filecmp.cmp(tmp / "minillm" / rel, ROOT / "minillm" / rel, shallow=False):
+                problems.append(f"minillm/{rel} differs from what its notebook exports: run `make export`")
+        for rel in sorted(mine - fresh):
+            if rel.name not in HAND_WRITTEN:
+                problems.append(f"minillm/{rel} is exported by no notebook: delete it or add its notebook")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args()
+    if args.check:
+        problems = check()
+        print("\n".join(problems) or "minillm/ is in sync with chapters/")
+        return 1 if problems else 0
+    for nb in export(ROOT / "chapters", ROOT / "minillm"):
+        print(f"exported {nb.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
