@@ -8,7 +8,6 @@ NBVAL_TIMEOUT ?= 600
 export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
-export MPLBACKEND := Agg
 
 .PHONY: help install export clean-notebooks test unit nbval book book-strict model bench clean setup-cells
 
@@ -46,6 +45,7 @@ test: unit nbval book-strict  ## the whole suite (what CI runs)
 
 book: export  ## build the website with every chapter executed
 	$(VENV)/bin/jupyter-book build . --all
+	@ls _build/html/_images/*.png >/dev/null 2>&1 || { echo "no figures in the book: is MPLBACKEND set to a non-inline backend?"; exit 1; }
 	@echo "The book is at: $(CURDIR)/_build/html/index.html"
 
 model: $(STAMP)  ## re-train the bundled tiny Shakespeare model into data/tiny-shakespeare
