@@ -1,0 +1,227 @@
+"""minillm.model: config parsing, loading, and logits equal to transformers on tiny random models."""
+import json
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from minillm.model import ModelConfig, Transformer, load_model
+
+torch.set_num_threads(1)
+
+TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+FAMILIES = {
+    "llama_gqa_untied": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama3_rope_scaling": ("LlamaConfig", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=32))),
+    "llama_attention_bias": ("LlamaConfig", dict(attention_bias=True)),
+    "mistral": ("MistralConfig", dict(sliding_window=64)),
+    "qwen2_bias_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3_qk_norm": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
+}
+
+
+def make_hf(family: str, folder, **shard):
+    cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, cls)(**TINY, **extra)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # random norms and biases, so a missed weight shows
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
+    hf.save_pretrained(folder, **shard)
+    return hf
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def max_diff(model, hf, prompts) -> float:
+    diff = 0.0
+    for ids in prompts:
+        with torch.inference_mode():
+            ours = model(torch.tensor([ids]), torch.arange(len(ids))[None])[0]
+        diff = max(diff, (ours - hf_logits(hf, ids)).abs().max().item())
+    return diff
+
+
+PROMPTS = [[1, 5, 9, 23, 7, 88, 3], [2, 40], list(range(3, 60))]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_parity_with_transformers(family, tmp_path):
+    hf = make_hf(family, tmp_path)
+    model = load_model(tmp_path, device="cpu")
+    assert next(model.parameters()).dtype == torch.float32
+    assert max_diff(model, hf, PROMPTS) < 1e-4
+
+
+def test_sharded_checkpoint_and_last_only(tmp_path):
+    hf = make_hf("llama_gqa_untied", tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model = load_model(tmp_path, device="cpu")
+    assert max_diff(model, hf, PROMPTS) < 1e-4
+    ids = torch.tensor([PROMPTS[0]])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.inference_mode():
+        full, last = model(ids, pos), model(ids, pos, last_only=True)
+    assert last.shape == (1, 1, TINY["vocab_size"])
+    torch.testing.assert_close(last[:, 0], full[:, -1])
+
+
+def test_batch_of_equal_length_prompts(tmp_path):
+    hf = make_hf("qwen2_bias_tied", tmp_path)
+    model = load_model(tmp_path, device="cpu")
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42], [1, 2, 3, 4, 5, 6]])
+    pos = torch.arange(6).expand(2, 6)
+    with torch.inference_mode():
+        ours = model(ids, pos)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+class RecordingKV:
+    """A kv object that keeps everything it is given: checks the hook's contract."""
+    def __init__(self):
+        self.k, self.v, self.calls = {}, {}, []
+
+    def update(self, layer_idx, k, v):
+        self.calls.append((layer_idx, tuple(k.shape), tuple(v.shape)))
+        if layer_idx in self.k:
+            self.k[layer_idx] = torch.cat([self.k[layer_idx], k], dim=2)
+            self.v[layer_idx] = torch.cat([self.v[layer_idx], v], dim=2)
+        else:
+            self.k[layer_idx], self.v[layer_idx] = k, v
+        S, T = self.k[layer_idx].shape[2], k.shape[2]
+        mask = torch.ones(T, S, dtype=torch.bool).tril(diagonal=S - T)  # causal over the cached prefix
+        return self.k[layer_idx], self.v[layer_idx], mask
+
+
+def test_kv_hook_contract_gives_the_same_logits(tmp_path):
+    make_hf("llama_gqa_untied", tmp_path)
+    model = load_model(tmp_path, device="cpu")
+    ids = torch.tensor([PROMPTS[2][:12]])
+    kv = RecordingKV()
+    with torch.inference_mode():
+        full = model(ids, torch.arange(12)[None])
+        first = model(ids[:, :8], torch.arange(8)[None], kv=kv)
+        rest = [model(ids[:, t:t + 1], torch.tensor([[t]]), kv=kv, last_only=True) for t in range(8, 12)]
+    # each layer receives K/V with n_kv_heads (not repeated to the query heads)
+    assert kv.calls[0] == (0, (1, 2, 8, 16), (1, 2, 8, 16))
+    assert [c[0] for c in kv.calls[:2]] == [0, 1]
+    torch.testing.assert_close(first, full[:, :8], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(rest, dim=1), full[:, 8:], atol=1e-5, rtol=1e-5)
+
+
+def test_config_from_hf_fields(tmp_path):
+    config = transformers.LlamaConfig(**TINY, rope_theta=123.0, eos_token_id=[2, 7], bos_token_id=1)
+    config.save_pretrained(tmp_path)
+    c = ModelConfig.from_hf(tmp_path)
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (2, 4, 2, 16)
+    assert c.rope_theta == 123.0 and c.eos_token_ids == [2, 7] and c.bos_token_id == 1
+    # old-style files keep rope_theta / rope_scaling at the top level
+    old = json.loads((tmp_path / "config.json").read_text())
+    old.pop("rope_parameters", None)
+    old.update(rope_theta=10.0, rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                  high_freq_factor=4.0, original_max_position_embeddings=64))
+    c = ModelConfig.from_hf(old)
+    assert c.rope_theta == 10.0 and c.rope_scaling["factor"] == 8.0
+
+
+def test_eos_ids_also_come_from_generation_config(tmp_path):
+    transformers.LlamaConfig(**TINY, eos_token_id=2).save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
+    assert ModelConfig.from_hf(tmp_path).eos_token_ids == [2, 9]
+
+
+def test_mistral_sliding_window_caps_the_context():
+    c = ModelConfig.from_hf(dict(model_type="mistral", **TINY, sliding_window=32))
+    assert c.context_length == 32
+    c = ModelConfig.from_hf(dict(model_type="qwen2", **TINY, sliding_window=32, use_sliding_window=False))
+    assert c.context_length == 128
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(model_type="gpt2"), "gpt2"),
+    (dict(rope_scaling=dict(type="yarn", factor=2.0)), "yarn"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(rope_scaling=dict(type="llama3", factor=2.0)), "llama3"),
+])
+def test_config_rejects_what_it_cannot_run(change, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf({"model_type": "llama", **TINY, **change})
+
+
+def test_load_model_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path)
+    transformers.LlamaConfig(**TINY).save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(tmp_path)
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(tmp_path, dtype=torch.int8, device="cpu")
+
+
+def test_load_model_offline_repo_id(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE"):
+        load_model("some-org/some-model")
+
+
+def test_load_model_dtypes(tmp_path):
+    hf = make_hf("qwen2_bias_tied", tmp_path)
+    model = load_model(tmp_path, dtype=torch.bfloat16, device="cpu")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.lm_head.weight is model.embed_tokens.weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        half = load_model(tmp_path, dtype=torch.float16, device="cpu")
+    assert half.embed_tokens.weight.dtype == torch.float16
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPTS[0]]), torch.arange(7)[None]).float()
+    assert (logits - hf_logits(hf, PROMPTS[0])).abs().max().item() < 0.2
+
+
+def test_random_init_model_runs():
+    c = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+    model = Transformer(c).eval()
+    with torch.inference_mode():
+        out = model(torch.zeros(3, 5, dtype=torch.long), torch.arange(5).expand(3, 5))
+    assert out.shape == (3, 5, 50) and torch.isfinite(out).all()
+
+
+def test_bundled_model_logits_equal_transformers():
+    from minillm.utils import bundled_model_path
+    folder = bundled_model_path()
+    assert (folder / "config.json").is_file(), f"the bundled model is missing from {folder}"
+    model = load_model(folder, device="cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    V = model.config.vocab_size
+    prompts = [[(13 * i + 5) % V for i in range(n)] for n in (1, 17, 64)]
+    assert max_diff(model, hf, prompts) < 1e-4
+
+
+def test_load_model_fetches_a_repo_id_through_the_hub(tmp_path, monkeypatch):
+    import huggingface_hub
+    hf = make_hf("mistral", tmp_path / "snapshot")
+    asked = []
+    def fake_snapshot_download(repo_id, **kw):
+        asked.append(repo_id)
+        return str(tmp_path / "snapshot")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    model = load_model("mistralai/tiny-test", device="cpu")
+    assert asked == ["mistralai/tiny-test"]
+    assert max_diff(model, hf, PROMPTS[:1]) < 1e-4

@@ -1,0 +1,126 @@
+"""minillm.naive: the naive loop against transformers' generate, stopping rules, bad input."""
+import pytest
+import torch
+import transformers
+
+from minillm.model import load_model
+from minillm.naive import naive_generate
+from minillm.sampling import SamplingParams
+from minillm.timing import median_time, time_per_token
+from minillm.utils import bundled_model_path
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(folder)
+    return hf, load_model(folder, device="cpu")
+
+
+def hf_greedy(hf, prompt, n, **kw):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("prompt", [[1], [1, 50, 3, 77, 8], list(range(5, 30))])
+def test_greedy_equals_transformers_generate(tiny, prompt):
+    hf, model = tiny
+    ours = naive_generate(model, prompt, SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
+    assert len(ours) == 20
+    assert ours == hf_greedy(hf, prompt, 20, eos_token_id=None)
+
+
+def test_greedy_with_repetition_penalty_equals_transformers(tiny):
+    hf, model = tiny
+    ours = naive_generate(model, [1, 4, 4, 9], SamplingParams(temperature=0, max_new_tokens=15, ignore_eos=True,
+                                                              repetition_penalty=1.5))
+    assert ours == hf_greedy(hf, [1, 4, 4, 9], 15, eos_token_id=None, repetition_penalty=1.5)
+
+
+def test_stops_on_eos_and_stop_ids(tiny):
+    hf, model = tiny
+    free = naive_generate(model, [1, 5], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    stop_at = free[4]
+    first = free.index(stop_at)
+    out = naive_generate(model, [1, 5], SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[stop_at]))
+    assert out == free[:first + 1]
+    model.config.eos_token_ids = [stop_at]  # the model's own EOS, unless ignore_eos
+    try:
+        assert naive_generate(model, [1, 5], SamplingParams(temperature=0, max_new_tokens=12)) == free[:first + 1]
+        assert naive_generate(model, [1, 5], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)) == free
+    finally:
+        model.config.eos_token_ids = [2]
+
+
+class LetterTokenizer:
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_strings_need_and_use_a_tokenizer(tiny):
+    _, model = tiny
+    free = naive_generate(model, [1, 5], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    text = LetterTokenizer().decode(free)
+    target = text[5:7]
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, stop=[target])
+    out = naive_generate(model, [1, 5], params, tokenizer=LetterTokenizer())
+    assert target in LetterTokenizer().decode(out) and target not in LetterTokenizer().decode(out[:-1])
+    with pytest.raises(ValueError, match="tokenizer"):
+        naive_generate(model, [1, 5], params)
+
+
+def test_seeded_sampling_reproduces(tiny):
+    _, model = tiny
+    p = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=15, seed=123, ignore_eos=True)
+    a, b = naive_generate(model, [1, 7], p), naive_generate(model, [1, 7], p)
+    assert a == b
+    c = naive_generate(model, [1, 7], SamplingParams(temperature=1.0, top_k=20, max_new_tokens=15, seed=124,
+                                                     ignore_eos=True))
+    assert c != a
+
+
+@pytest.mark.parametrize("prompt, kw, msg", [
+    ([], {}, "empty"),
+    ([1] * 60, dict(max_new_tokens=5), "context"),
+    ([1, 500], {}, "token ids"),
+])
+def test_bad_input_fails_before_running(tiny, prompt, kw, msg):
+    _, model = tiny
+    with pytest.raises(ValueError, match=msg):
+        naive_generate(model, prompt, SamplingParams(**kw))
+
+
+def test_numpy_and_tensor_prompts(tiny):
+    import numpy as np
+    _, model = tiny
+    p = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    ref = naive_generate(model, [1, 5, 6], p)
+    assert naive_generate(model, np.array([1, 5, 6]), p) == ref
+    assert naive_generate(model, torch.tensor([1, 5, 6]), p) == ref
+
+
+def test_timing_helpers():
+    calls = []
+    t = median_time(lambda: calls.append(1), warmup=2, repeats=3)
+    assert len(calls) == 5 and t >= 0
+    ts = time_per_token(lambda n: sum(range(n)), [10, 1000], progress=False)
+    assert len(ts) == 2 and all(x >= 0 for x in ts)
+
+
+def test_bundled_model_greedy_equals_transformers():
+    folder = bundled_model_path()
+    assert (folder / "config.json").is_file(), f"the bundled model is missing from {folder}"
+    model = load_model(folder, device="cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = [model.config.bos_token_id or 0] + list(range(10, 20))
+    ours = naive_generate(model, prompt, SamplingParams(temperature=0, max_new_tokens=24))
+    eos = model.config.eos_token_ids or None
+    assert ours == hf_greedy(hf, prompt, 24, eos_token_id=eos)
