@@ -9,25 +9,19 @@ from typing import Callable
 
 import torch
 
-
-def _sync(device) -> None:
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
+from .utils import synchronize
 
 
 def median_time(fn: Callable[[], object], device="cpu", warmup: int = 1, repeats: int = 5) -> float:
     """Median wall time of fn() in seconds: warm up, synchronize the device around each call, repeat."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
