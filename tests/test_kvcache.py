@@ -1,0 +1,252 @@
+"""minillm.kvcache (chapter 3): the same tokens and logits as the naive loop and transformers,
+memory equal to the formula, clear errors; and a smoke test of minillm.bench."""
+import copy
+
+import pytest
+import torch
+import transformers
+
+from minillm.kvcache import KVCache, generate, generate_tokens, stream, watch_input_lengths
+from minillm.memory import kv_cache_bytes
+from minillm.model import load_model
+from minillm.naive import naive_generate
+from minillm.sampling import SamplingParams
+
+torch.set_num_threads(1)
+
+TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            bos_token_id=1, eos_token_id=2)
+
+FAMILIES = {
+    "llama_gqa": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(sliding_window=64)),
+    "qwen2_bias_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
+}
+PROMPT = [1, 5, 9, 23, 7, 88, 3, 41, 17]
+
+
+def make_model(family: str, folder, **overrides):
+    """A random HF model saved to `folder`, and the same weights loaded by minillm.
+
+    Weights are drawn with std 2/sqrt(fan_in) (larger than the usual init) so that greedy decoding
+    wanders over many tokens instead of repeating one."""
+    cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, cls)(**{**TINY, **extra, **overrides})
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 2 / p.shape[1] ** 0.5)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(folder)
+    return hf, load_model(folder, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_model("llama_gqa", tmp_path_factory.mktemp("llama"))
+
+
+def hf_greedy(hf, prompt, n):
+    config = copy.deepcopy(hf.generation_config)
+    config.max_new_tokens, config.do_sample = n, False
+    ids = torch.tensor([prompt])
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_equals_naive_and_transformers(family, tmp_path):
+    hf, model = make_model(family, tmp_path)
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    ours = generate(model, PROMPT, params)
+    assert len(set(ours)) > 5  # a real sequence, not one token repeated
+    assert ours == naive_generate(model, PROMPT, params)
+    assert ours == hf_greedy(hf, PROMPT, 40)
+
+
+def test_seeded_sampling_equals_naive(llama):
+    _, model = llama
+    for seed in (0, 1):
+        params = SamplingParams(temperature=0.9, top_k=30, top_p=0.9, min_p=0.01, repetition_penalty=1.3,
+                                max_new_tokens=30, seed=seed, ignore_eos=True)
+        ours = generate(model, PROMPT, params)
+        assert ours == naive_generate(model, PROMPT, params)
+        assert ours == generate(model, PROMPT, params)  # the same seed again, the same tokens
+
+
+def test_per_step_logits_match_full_forward(llama):
+    _, model = llama
+    cache = KVCache.from_model(model, len(PROMPT) + 25)
+    seq = list(PROMPT)
+    with torch.inference_mode():
+        logits = model(torch.tensor([seq]), cache.prepare(len(seq)), kv=cache, last_only=True)
+        for _ in range(25):
+            full = model(torch.tensor([seq]), torch.arange(len(seq))[None], last_only=True)
+            assert (logits - full).abs().max().item() < 1e-4
+            seq.append(int(logits[0, -1].argmax()))
+            logits = model(torch.tensor([[seq[-1]]]), cache.prepare(1), kv=cache, last_only=True)
+
+
+def test_chunked_prefill_matches_one_prefill(llama):
+    """A prompt fed in two chunks (mask offset by the cached prefix) gives the same logits."""
+    _, model = llama
+    ids = torch.tensor([PROMPT])
+    one, two = KVCache.from_model(model, 16), KVCache.from_model(model, 16)
+    with torch.inference_mode():
+        a = model(ids, one.prepare(9), kv=one)
+        model(ids[:, :4], two.prepare(4), kv=two)
+        b = model(ids[:, 4:], two.prepare(5), kv=two)
+    torch.testing.assert_close(b, a[:, 4:], atol=1e-5, rtol=1e-5)
+
+
+def test_cache_shape_dtype_and_memory_formula(llama):
+    _, model = llama
+    cache = KVCache.from_model(model, 50)
+    assert len(cache.k) == len(cache.v) == TINY["num_hidden_layers"]
+    assert cache.k[0].shape == (1, TINY["num_key_value_heads"], 50, 16)  # kv heads, not query heads
+    assert cache.k[0].dtype == torch.float32
+    for batch, dtype in [(1, torch.float32), (3, torch.float16), (2, torch.bfloat16)]:
+        c = KVCache(2, 2, 16, 50, batch_size=batch, dtype=dtype)
+        assert c.nbytes == kv_cache_bytes(TINY, 50, batch, dtype)
+    assert cache.nbytes == kv_cache_bytes(TINY, 50, 1, torch.float32)
+    assert sum(t.untyped_storage().nbytes() for t in cache.k + cache.v) == cache.nbytes
+    assert KVCache.from_model(model).max_seq_len == TINY["max_position_embeddings"]
+
+
+def test_cache_follows_the_model_dtype(tmp_path):
+    make_model("qwen2_bias_tied", tmp_path)
+    model = load_model(tmp_path, dtype=torch.bfloat16, device="cpu")
+    cache = KVCache.from_model(model, 20)
+    assert cache.k[0].dtype == torch.bfloat16 and cache.nbytes == kv_cache_bytes(TINY, 20, 1, "bfloat16")
+    out = generate(model, PROMPT, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True), cache=cache)
+    assert len(out) == 5 and cache.length == len(PROMPT) + 4
+
+
+def test_mask_built_once_per_forward_and_none_for_decode(llama):
+    _, model = llama
+    cache = KVCache.from_model(model, 20)
+    seen = []
+    update = cache.update
+
+    def spy(layer_idx, k, v):
+        out = update(layer_idx, k, v)
+        seen.append(out[2])
+        return out
+    cache.update = spy
+    with torch.inference_mode():
+        model(torch.tensor([PROMPT]), cache.prepare(len(PROMPT)), kv=cache)
+        model(torch.tensor([[4]]), cache.prepare(1), kv=cache)
+    prefill, decode = seen[:2], seen[2:]
+    assert prefill[0] is prefill[1] and prefill[0].dtype == torch.bool
+    assert prefill[0].shape == (len(PROMPT), len(PROMPT))
+    assert torch.equal(prefill[0], torch.ones(9, 9, dtype=torch.bool).tril())
+    assert decode == [None, None]
+
+
+def test_the_cache_is_used_and_reusable(llama):
+    hf, model = llama
+    with watch_input_lengths(hf) as lengths:  # transformers calls its model with keywords
+        hf_greedy(hf, PROMPT, 4)
+    assert lengths == [len(PROMPT), 1, 1, 1]
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    cache = KVCache.from_model(model, 64)
+    with watch_input_lengths(model) as lengths:
+        first = generate(model, PROMPT, params, cache=cache)
+    assert lengths == [len(PROMPT)] + [1] * 5  # the last token is never fed back
+    assert generate(model, PROMPT, params, cache=cache) == first  # reset() on reuse
+    assert generate(model, PROMPT[:3], params, cache=cache) == generate(model, PROMPT[:3], params)
+
+
+def test_stop_rules_like_the_naive_loop(llama):
+    _, model = llama
+    free = generate(model, PROMPT, SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))
+    stop = free[7]
+    params = SamplingParams(temperature=0, max_new_tokens=30, stop_token_ids=[stop])
+    ours = generate(model, PROMPT, params)
+    assert ours == naive_generate(model, PROMPT, params) == free[:free.index(stop) + 1]
+    eos = SamplingParams(temperature=0, max_new_tokens=30)  # EOS (id 2) stops unless ignore_eos
+    assert generate(model, PROMPT, eos) == naive_generate(model, PROMPT, eos)
+    with pytest.raises(ValueError, match="tokenizer"):
+        generate(model, PROMPT, SamplingParams(stop=["x"]))
+
+
+def test_bad_input_raises_before_any_forward(llama):
+    _, model = llama
+    small = KVCache.from_model(model, 12)
+    with watch_input_lengths(model) as lengths:
+        with pytest.raises(ValueError, match="needs 19 positions"):
+            generate(model, PROMPT, SamplingParams(max_new_tokens=10), cache=small)
+        with pytest.raises(ValueError, match="context"):
+            generate(model, PROMPT, SamplingParams(max_new_tokens=120))
+        with pytest.raises(ValueError, match="empty"):
+            generate(model, [], SamplingParams())
+        with pytest.raises(ValueError, match="not token ids"):
+            generate(model, [1, 500], SamplingParams())
+        with pytest.raises(ValueError, match="batch"):
+            generate(model, PROMPT, SamplingParams(max_new_tokens=3), cache=KVCache.from_model(model, 64, batch_size=2))
+        with pytest.raises(ValueError, match="context"):
+            KVCache.from_model(model, 129)
+        for bad in (0, -1, 2.5, True):
+            with pytest.raises(ValueError, match="max_seq_len"):
+                KVCache(2, 2, 16, bad)
+        with pytest.raises(ValueError, match="prompt"):
+            next(stream(model, None, ""))
+    assert lengths == []
+    with pytest.raises(ValueError, match="cannot add 13 tokens"):
+        small.prepare(13)
+    small.reset()
+    small.prepare(12)
+    with pytest.raises(ValueError, match="cannot add 1 tokens"):
+        small.prepare(1)
+    small.reset()
+    small.prepare(3)
+    with pytest.raises(ValueError, match="reserved 3"):
+        small.update(0, torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16))
+
+
+def test_stream_joins_to_the_decoded_answer(tmp_path):
+    from minillm.tokenizer import Tokenizer
+    text = "To be, or not to be, that is the question. Ça va? Ünïcödé → 文字 " * 20
+    tokenizer = Tokenizer.train([text], 300, progress=False)
+    _, model = make_model("llama_gqa", tmp_path, vocab_size=tokenizer.vocab_size,
+                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3)
+    pieces = list(stream(model, tokenizer, "To be", params))
+    new = generate(model, tokenizer.encode("To be"), params)
+    assert "".join(pieces) == tokenizer.decode(new, skip_special_tokens=True)
+    assert all(pieces)
+    char = next(c for c in "".join(pieces) if not c.isspace())
+    stopped = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, stop=[char])
+    short = list(generate_tokens(model, tokenizer.encode("To be"), stopped, tokenizer))
+    assert short == naive_generate(model, tokenizer.encode("To be"), stopped, tokenizer)
+    assert short == new[:len(short)] and char in tokenizer.decode(short)
+
+
+def test_bench_smoke(llama, tmp_path):
+    from minillm import bench
+    hf, model = llama
+    folder = tmp_path / "m"
+    hf.save_pretrained(folder)
+    result = bench.run_kv_benchmark(folder, new_tokens=5, prompt_tokens=20, repeats=1, device="cpu", progress=False)
+    assert [r["method"] for r in result.rows] == ["naive loop", "KV cache (minillm)", "transformers generate()"]
+    assert all(r["same_tokens"] for r in result.rows)
+    assert all(len(s) == 4 for s in result.steps.values())
+    assert result.rows[1]["memory_MB"] * 1e6 == pytest.approx(
+        bench.weight_nbytes(model) + kv_cache_bytes(TINY, 25, 1, torch.float32))
+    assert "KV cache (minillm)" in bench.format_table(result)
+    summary, steps = bench.write_csv(result, tmp_path / "csv")
+    assert summary.read_text().count("\n") == 4 and "hardware" in summary.read_text()
+    assert steps.read_text().count("\n") == 1 + 3 * 4
+    with pytest.raises(ValueError, match="new_tokens"):
+        bench.run_kv_benchmark(folder, new_tokens=1)
+    with pytest.raises(ValueError, match="methods"):
+        bench.run_kv_benchmark(folder, methods=("fast",))
+    for bad in (["--model", "no-such-model"], ["--new-tokens", "1"], ["--threads", "0"]):
+        with pytest.raises(SystemExit):
+            bench.main(["kv", *bad])
+    assert bench.main(["kv", "--model", str(folder), "--new-tokens", "3", "--prompt-tokens", "8",
+                       "--repeats", "1", "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "kv_m_cpu.csv").is_file()
