@@ -125,6 +125,17 @@ def heldout_chunks(tok, ctx: int = 512) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- evaluation
+def pad_batch(seqs: list[list[int]], pad_id: int):
+    """Right-pad token lists into one [B, T] tensor; the mask is 1 on real tokens, 0 on padding."""
+    import torch
+    x = torch.full((len(seqs), max(map(len, seqs))), pad_id)
+    mask = torch.zeros_like(x)
+    for j, seq in enumerate(seqs):
+        x[j, :len(seq)] = torch.tensor(seq)
+        mask[j, :len(seq)] = 1
+    return x, mask
+
+
 def mean_loss(model, chunks: list[list[int]], pad_id: int, batch_size: int = 8) -> tuple[float, int]:
     "Mean next-token cross-entropy (nats) over all predicted tokens of `chunks`, and their number."
     import torch
@@ -133,12 +144,7 @@ def mean_loss(model, chunks: list[list[int]], pad_id: int, batch_size: int = 8) 
     with torch.no_grad():
         for i in range(0, len(chunks), batch_size):
             batch = chunks[i:i + batch_size]
-            width = max(map(len, batch))
-            x = torch.full((len(batch), width), pad_id)
-            mask = torch.zeros_like(x)
-            for j, c in enumerate(batch):
-                x[j, :len(c)] = torch.tensor(c)
-                mask[j, :len(c)] = 1
+            x, mask = pad_batch(batch, pad_id)
             logits = model(input_ids=x, attention_mask=mask).logits[:, :-1].float()
             target = x[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
@@ -234,12 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             if not order:
                 order = torch.randperm(len(chunks), generator=order_gen).tolist()
             batch.append(chunks[order.pop()])
-        width = max(map(len, batch))
-        x = torch.full((len(batch), width), pad)
-        mask = torch.zeros_like(x)
-        for j, c in enumerate(batch):
-            x[j, :len(c)] = torch.tensor(c)
-            mask[j, :len(c)] = 1
+        x, mask = pad_batch(batch, pad)
         labels = x.masked_fill(mask == 0, -100)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
