@@ -1,6 +1,6 @@
 """Make the bundled tiny Shakespeare model in data/tiny-shakespeare (`make model`).
 
-    python data/make_tiny_model.py                 # the recipe in the model card (~30 min on 2 CPU cores)
+    python data/make_tiny_model.py                 # the recipe in the model card (~20 min on 2 idle CPU cores)
     python data/make_tiny_model.py --steps 20 --out /tmp/tiny   # a quick smoke run
 
 Steps:
@@ -157,7 +157,7 @@ def mean_loss(model, chunks: list[list[int]], pad_id: int, batch_size: int = 8) 
 # ---------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=560, help="optimizer steps (the cosine schedule's length)")
+    ap.add_argument("--steps", type=int, default=1600, help="optimizer steps (the cosine schedule's length)")
     ap.add_argument("--stop-after", type=int, default=None,
                     help="stop after this many steps, keeping the --steps schedule (deterministic)")
     ap.add_argument("--max-minutes", type=float, default=None,

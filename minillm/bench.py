@@ -187,7 +187,7 @@ def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab_size, (length,), generator=g).tolist()
 
-
+# %% ../chapters/03_kv_cache.ipynb #c046b
 def run_kv_benchmark(model_path, new_tokens: int = 100, prompt_tokens: int = 256, repeats: int = 3,
                      device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                      methods: tuple[str, ...] = ("naive", "cache", "transformers"),

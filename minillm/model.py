@@ -330,7 +330,7 @@ def _check_dtype(dtype: torch.dtype, device: torch.device) -> None:
     if device.type == "cpu" and dtype == torch.float16:
         warnings.warn("float16 on CPU is slow and sometimes inexact; float32 or bfloat16 are better on CPU")
 
-
+# %% ../chapters/02_naive_loop.ipynb #c026b
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; we compute them
 
 

@@ -483,7 +483,7 @@ def _read_template(spec: dict | None) -> tuple[list[str] | None, list[str]]:
             (suffix if seen_text else prefix).append(item["SpecialToken"]["id"])
     return prefix, suffix
 
-
+# %% ../chapters/01_tokenizer.ipynb #c036b
 @classmethod
 def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
     """Load a byte-level BPE `tokenizer.json` (GPT-2, Llama 3, Qwen2, or one saved by `save`),
