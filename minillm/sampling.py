@@ -143,6 +143,9 @@ def sample(logits: torch.Tensor, params: SamplingParams | list[SamplingParams],
     logits2d = logits.reshape(-1, logits.shape[-1])
     B = logits2d.shape[0]
     params_rows = _rows(params, B, "params")
+    if all(p.greedy and p.repetition_penalty == 1.0 for p in params_rows):
+        ids = logits2d.argmax(-1)  # the common fast path: nothing to filter, nothing to draw
+        return ids[0] if squeeze else ids
     generators = _rows(generators, B, "generators")
     filtered = filter_logits(logits2d, params_rows, prev_ids)
     ids = filtered.argmax(-1)
