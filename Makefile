@@ -9,7 +9,7 @@ export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
-.PHONY: help install export clean-notebooks test unit nbval book book-strict model bench clean setup-cells
+.PHONY: help install export clean-notebooks test unit nbval book book-strict model bench clean setup-cells figures
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -60,3 +60,6 @@ clean:  ## remove build output (keeps .venv)
 
 setup-cells: $(STAMP)  ## write the repository URL from _config.yml into every chapter's setup cell
 	$(PY) tools/setup_cell.py
+
+figures: $(STAMP)  ## redraw the "you are here" maps book/figures/engine_map_0N.svg
+	$(PY) tools/engine_map.py
