@@ -1,5 +1,6 @@
-"""Repository-level checks: notebooks are clean, the package matches them, every chapter
-starts with the same setup cell and is in the book's table of contents."""
+"""Repository-level checks: notebooks are clean, the package matches them (and has no
+undefined names), every chapter starts with the same setup cell, is in the book's table of
+contents and follows the book's conventions (code width, hidden plumbing cells)."""
 import json
 import re
 import subprocess
@@ -16,6 +17,8 @@ import export  # noqa: E402
 from setup_cell import first_code_cell, repository_url, setup_cell_source  # noqa: E402
 
 CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
+MAX_CODE_LINE = 88  # characters: wider lines run past the page on the website
+DEFAULT_EXP = re.compile(r"^\s*#\s*\|\s*default_exp\b", re.M)
 
 
 def load(path: Path) -> dict:
@@ -73,3 +76,58 @@ def test_clean_notebooks_strips_outputs(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert not clean_notebooks.dirty_cells(load(path))
+
+
+def code_cells(path: Path) -> list[tuple[int, dict]]:
+    return [(i, c) for i, c in enumerate(load(path)["cells"]) if c["cell_type"] == "code"]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_code_lines_fit_the_page(path):
+    too_long = [f"cell {i} line {n}: {len(line)} characters: {line.strip()[:50]}..."
+                for i, cell in code_cells(path)
+                for n, line in enumerate("".join(cell["source"]).splitlines(), start=1)
+                if len(line) > MAX_CODE_LINE]
+    assert not too_long, (f"{path.name}: {len(too_long)} code lines are longer than "
+                          f"{MAX_CODE_LINE} characters:\n" + "\n".join(too_long[:20]))
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_default_exp_cell_is_hidden_on_the_site(path):
+    untagged = [i for i, cell in code_cells(path) if DEFAULT_EXP.search("".join(cell["source"]))
+                and "remove-cell" not in cell.get("metadata", {}).get("tags", [])]
+    assert not untagged, (f"{path.name}: the `#| default_exp` cell(s) {untagged} need the "
+                          "cell tag remove-cell (plumbing, not content)")
+
+
+def test_no_two_notebooks_export_into_one_module():
+    problems = export.conflicts(CHAPTERS)
+    assert not problems, "\n".join(problems)
+
+
+def test_export_refuses_two_notebooks_writing_one_module(tmp_path):
+    def notebook(name, *sources):
+        cells = [{"cell_type": "code", "id": f"c{i}", "metadata": {}, "execution_count": None,
+                  "outputs": [], "source": src} for i, src in enumerate(sources)]
+        nb = {"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+        (tmp_path / "chapters" / name).write_text(json.dumps(nb), encoding="utf-8")
+
+    (tmp_path / "chapters").mkdir()
+    (tmp_path / "lib").mkdir()
+    notebook("00_a.ipynb", "#| default_exp alpha", "#| export\ndef f(): return 1")
+    notebook("01_b.ipynb", "#| default_exp beta", "#| export\ndef g(): return 2")
+    export.export(tmp_path / "chapters", tmp_path / "lib")  # distinct modules: fine
+    assert {p.name for p in (tmp_path / "lib").glob("*.py")} == {"alpha.py", "beta.py"}
+    notebook("01_b.ipynb", "#| default_exp beta", "#| export alpha\ndef g(): return 2")
+    with pytest.raises(export.ExportConflict, match=r"alpha .*00_a\.ipynb, 01_b\.ipynb"):
+        export.export(tmp_path / "chapters", tmp_path / "lib")
+    assert "def g" not in (tmp_path / "lib" / "alpha.py").read_text()  # nothing written
+
+
+def test_package_has_no_undefined_or_unused_names():
+    """Exported code that uses a name only a non-exported cell defines works in the notebook
+    and breaks in the package: pyflakes' checks (ruff's F rules) catch it."""
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F",
+                             "--output-format", "concise", "--no-cache", "minillm"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -3,6 +3,10 @@
     python tools/export.py            # write minillm/ from chapters/*.ipynb
     python tools/export.py --check    # export into a temporary folder and compare
 
+Every module belongs to exactly one notebook: when two notebooks export into the same
+module (two `#| default_exp x`, or a `#| export x` in another chapter), the export stops
+before it writes anything and names both notebooks.
+
 nbdev writes a header into every module naming the notebook it came from; the
 relative path in that header depends on where the library lives, so the check
 exports into a copy with the same layout (tmp/chapters, tmp/minillm).
@@ -16,8 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nbdev.export import nb_export
+from nbdev.export import ExportModuleProc, nb_export
 from nbdev.maker import ModuleMaker
+from nbdev.process import NBProcessor
 
 ROOT = Path(__file__).resolve().parent.parent
 HAND_WRITTEN = {"__init__.py", "__main__.py"}  # modules no notebook owns
@@ -32,8 +37,40 @@ class OwnedModuleMaker(ModuleMaker):
         super().__init__(dest, name, nb_path, is_new=True, parse=parse, solo_nb=solo_nb)
 
 
+class ExportConflict(ValueError):
+    """Two notebooks export into the same module."""
+
+
+def modules_of(notebook: Path) -> set[str]:
+    """The modules (dotted names) that nbdev would write for `notebook`, found the way
+    `nbdev.export.nb_export` finds them."""
+    exp = ExportModuleProc()
+    NBProcessor(str(notebook), [exp]).process()
+    names = set()
+    for mod, cells in exp.modules.items():
+        if any(c.cell_type == "code" and "exportd" not in c.directives_ for c in cells):
+            name = getattr(exp, "default_exp", None) if mod == "#" else mod
+            if name:
+                names.add(name)
+    return names
+
+
+def conflicts(notebooks: list[Path]) -> list[str]:
+    """One message per module that more than one notebook exports into."""
+    owners: dict[str, list[Path]] = {}
+    for nb in notebooks:
+        for mod in modules_of(nb):
+            owners.setdefault(mod, []).append(nb)
+    return [f"module {mod} is exported by {len(nbs)} notebooks: "
+            f"{', '.join(p.name for p in nbs)}; every module belongs to one notebook"
+            for mod, nbs in sorted(owners.items()) if len(nbs) > 1]
+
+
 def export(chapters: Path, lib: Path) -> list[Path]:
     notebooks = sorted(chapters.glob("*.ipynb"))
+    problems = conflicts(notebooks)
+    if problems:
+        raise ExportConflict("\n".join(problems))
     for nb in notebooks:
         nb_export(str(nb), lib_path=str(lib), mod_maker=OwnedModuleMaker)
     return notebooks
@@ -46,7 +83,10 @@ def check() -> list[str]:
         tmp = Path(tmp)
         shutil.copytree(ROOT / "chapters", tmp / "chapters")
         (tmp / "minillm").mkdir()
-        export(tmp / "chapters", tmp / "minillm")
+        try:
+            export(tmp / "chapters", tmp / "minillm")
+        except ExportConflict as e:
+            return str(e).splitlines()
         fresh = {p.relative_to(tmp / "minillm") for p in (tmp / "minillm").rglob("*.py")}
         mine = {p.relative_to(ROOT / "minillm") for p in (ROOT / "minillm").rglob("*.py")}
         for rel in sorted(fresh):
@@ -68,7 +108,12 @@ def main() -> int:
         problems = check()
         print("\n".join(problems) or "minillm/ is in sync with chapters/")
         return 1 if problems else 0
-    for nb in export(ROOT / "chapters", ROOT / "minillm"):
+    try:
+        notebooks = export(ROOT / "chapters", ROOT / "minillm")
+    except ExportConflict as e:
+        print(e, file=sys.stderr)
+        return 1
+    for nb in notebooks:
         print(f"exported {nb.relative_to(ROOT)}")
     return 0
 
