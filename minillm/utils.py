@@ -3,26 +3,54 @@
 # %% ../chapters/00_overview.ipynb #c004
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
+_DEVICE = re.compile(r"(cpu|cuda|mps)(?::(\d+))?")
 
-def pick_device(prefer: str | None = None) -> torch.device:
-    """Return `cuda` when a GPU is available, else `cpu`. `prefer` forces a choice."""
-    if prefer is not None:
-        if prefer not in ("cpu", "cuda"):
-            raise ValueError(f"prefer={prefer!r}: allowed values are 'cpu', 'cuda' or None")
-        if prefer == "cuda" and not torch.cuda.is_available():
-            raise ValueError("prefer='cuda' but torch.cuda.is_available() is False on this machine")
-        return torch.device(prefer)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+def pick_device(prefer: str | torch.device | None = None) -> torch.device:
+    """`cuda` when a GPU is available, else `cpu`; `prefer` asks for one device.
+
+    `prefer` may be "cpu", "cuda", "cuda:N" (N < the number of GPUs), "mps" (Apple
+    GPUs) or a `torch.device`; a device this machine does not have is a ValueError.
+    """
+    if prefer is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    allowed = "None, 'cpu', 'cuda', 'cuda:N' or 'mps'"
+    text = str(prefer) if isinstance(prefer, torch.device) else prefer
+    match = _DEVICE.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"prefer={prefer!r} is not a device minillm runs on; "
+                         f"allowed: {allowed}")
+    kind, index = match.group(1), match.group(2)
+    prefer = text  # a torch.device shows as "cuda:1" in the messages below
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"prefer={prefer!r}, but this machine has no CUDA GPU "
+                             "(torch.cuda.is_available() is False); use 'cpu'")
+        if index is not None and int(index) >= count:
+            raise ValueError(f"prefer={prefer!r}, but this machine has {count} CUDA "
+                             f"GPU(s): allowed indices are 0 to {count - 1}")
+    elif kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"prefer={prefer!r}, but MPS (Apple GPU) is not available "
+                         "here; use 'cpu'")
+    elif index not in (None, "0"):
+        raise ValueError(f"prefer={prefer!r}: {kind} has only index 0; "
+                         f"allowed: {allowed}")
+    return torch.device(text)
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Wait until the device has finished its queued work (needed before reading a clock)."""
-    if torch.device(device).type == "cuda":
+    """Wait until the device has finished its queued work (before reading a clock)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
         torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
 
 
 def repo_root() -> Path:
