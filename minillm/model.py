@@ -8,28 +8,91 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['SUPPORTED_ARCHITECTURES', 'ModelConfig', 'RMSNorm', 'rope_frequencies', 'RotaryEmbedding', 'rotate_half',
-           'apply_rope', 'Attention', 'MLP', 'Block', 'Transformer', 'safetensors_files', 'load_model']
+__all__ = ['SUPPORTED_ARCHITECTURES', 'FLOAT_DTYPES', 'ModelConfig', 'RMSNorm', 'rope_frequencies', 'RotaryEmbedding',
+           'rotate_half', 'apply_rope', 'Attention', 'MLP', 'Block', 'Transformer', 'safetensors_files',
+           'read_safetensors_header', 'resolve_device', 'load_model']
+
+# %% ../chapters/02_naive_loop.ipynb #c010f
+_REQUIRED = object()
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from a file, or a ValueError that names the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+class _Fields:
+    """Typed reads from a config dict. Errors name the file (`source`) and the field."""
+    def __init__(self, data: dict, source: str):
+        self.data, self.source = data, source
+
+    def bad(self, name: str, value, allowed: str):
+        raise ValueError(f"{self.source}: {name}={value!r} is not allowed; "
+                         f"{name} must be {allowed}")
+
+    def get(self, name: str, default):
+        value = self.data.get(name)
+        if value is None:  # absent, or JSON null
+            if default is _REQUIRED:
+                raise ValueError(f"{self.source} lacks the field {name!r}")
+            return default
+        return value
+
+    def int(self, name: str, default=_REQUIRED, low: int = 1) -> int | None:
+        value = self.get(name, default)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < low):
+            self.bad(name, value, f"an int >= {low}")
+        return value
+
+    def number(self, name: str, default=_REQUIRED) -> float:
+        """A finite number > 0 (theta, eps, factors): <= 0 would make NaN logits."""
+        value = self.get(name, default)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value <= 0:
+            self.bad(name, value, "a finite number > 0")
+        return float(value)
+
+    def flag(self, name: str, default: bool = False) -> bool:
+        value = self.get(name, default)
+        if not isinstance(value, bool):
+            self.bad(name, value, "true or false")
+        return value
+
+    def token_ids(self, name: str, vocab: int) -> list[int]:
+        """None, one id or a list of ids, each in [0, vocab)."""
+        value = self.get(name, None)
+        ids = [] if value is None else [value] if not isinstance(value, list) else value
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                   for t in ids):
+            self.bad(name, value, f"token ids in [0, vocab_size={vocab})")
+        return ids
 
 # %% ../chapters/02_naive_loop.ipynb #c011
-SUPPORTED_ARCHITECTURES = {  # config.json "model_type" -> what is fixed by the architecture
-    "llama": {},                                              # biases follow config "attention_bias"
+SUPPORTED_ARCHITECTURES = {  # config.json "model_type" -> what the architecture fixes
+    "llama": {},                                   # biases follow "attention_bias"
     "mistral": {"attention_bias": False, "o_proj_bias": False},
-    "qwen2": {"attention_bias": True, "o_proj_bias": False},  # q/k/v have a bias, o_proj not
-    "qwen3": {"qk_norm": True},                               # RMSNorm on each head of q and k
+    "qwen2": {"attention_bias": True, "o_proj_bias": False},  # q/k/v bias, o_proj none
+    "qwen3": {"qk_norm": True},                    # RMSNorm on each head of q and k
 }
 
 
 @dataclass
 class ModelConfig:
-    """The numbers that define a Llama-family Transformer, read from a Hugging Face config.json."""
+    """The numbers that define a Llama-family Transformer (from an HF config.json)."""
     model_type: str = "llama"
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -39,97 +102,116 @@ class ModelConfig:
     num_kv_heads: int = 32
     head_dim: int = 128
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None       # None, or the "llama3" parameters
+    rope_scaling: dict | None = None      # None, or the "llama3" parameters
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False           # q/k/v projections have a bias (Qwen2)
-    o_proj_bias: bool = False              # the output projection has a bias
-    qk_norm: bool = False                  # Qwen3: RMSNorm over each head of q and k
+    attention_bias: bool = False          # q/k/v projections have a bias (Qwen2)
+    o_proj_bias: bool = False             # the output projection has a bias
+    qk_norm: bool = False                 # Qwen3: RMSNorm over each head of q and k
     max_position_embeddings: int = 2048
-    sliding_window: int | None = None      # Mistral: attention looks back at most this far
+    sliding_window: int | None = None     # Mistral: how far back attention looks
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    torch_dtype: str | None = None         # the dtype the checkpoint was saved in
+    torch_dtype: str | None = None        # the dtype the checkpoint was saved in
 
     @property
     def context_length(self) -> int:
-        """How many positions this engine runs: the sliding window caps it, so results stay exact."""
+        """The positions this engine runs: the sliding window caps it (stays exact)."""
         if self.sliding_window is None:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)
 
     @classmethod
     def from_hf(cls, config: dict | str | os.PathLike) -> "ModelConfig":
-        """Read a Hugging Face config.json (a dict, the file, or the folder holding it)."""
-        generation = {}
+        """Read a Hugging Face config.json (a dict, the file, or the folder with it)."""
+        generation, source = _Fields({}, "generation_config"), "config"
         if not isinstance(config, dict):
             path = Path(config)
             path = path / "config.json" if path.is_dir() else path
             if not path.is_file():
                 raise FileNotFoundError(f"no config.json at {path}")
-            config = json.loads(path.read_text(encoding="utf-8"))
-            if (path.parent / "generation_config.json").is_file():  # generate() reads its EOS from here
-                generation = json.loads((path.parent / "generation_config.json").read_text(encoding="utf-8"))
-        c = dict(config)
-        model_type = c.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"model_type {model_type!r} (architectures={c.get('architectures')}) is not supported; "
-                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
-        if c.get("mlp_bias", False):
-            raise ValueError("mlp_bias=True is not supported; only MLPs without bias")
-        # RoPE parameters: transformers 5 writes them under "rope_parameters", older files use
-        # "rope_theta" + "rope_scaling". Read both.
-        rope = dict(c.get("rope_parameters") or {})
-        rope.update(c.get("rope_scaling") or {})
-        rope_theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: 'default', 'llama3'")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported; RoPE must cover the whole head")
-        rope_scaling = None
-        if rope_type == "llama3":
-            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-            missing = [k for k in keys if k not in rope]
-            if missing:
-                raise ValueError(f"rope_scaling of type 'llama3' lacks {missing}")
-            rope_scaling = {k: rope[k] for k in keys}
-        sliding_window = c.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
-            sliding_window = None  # Qwen stores a window but only uses it when asked to
-        if model_type in ("qwen2", "qwen3") and sliding_window is not None:
-            if c.get("max_window_layers", 0) < c["num_hidden_layers"]:
-                raise ValueError("use_sliding_window=True on only some layers (max_window_layers) is not supported")
-        eos = []
-        for value in (c.get("eos_token_id"), generation.get("eos_token_id")):
-            for token in [] if value is None else [value] if isinstance(value, int) else value:
-                eos += [token] if token not in eos else []
-        heads = c["num_attention_heads"]
-        fixed, bias = SUPPORTED_ARCHITECTURES[model_type], bool(c.get("attention_bias", False))
-        return cls(
-            model_type=model_type,
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=c.get("tie_word_embeddings", False),
-            attention_bias=fixed.get("attention_bias", bias),
-            o_proj_bias=fixed.get("o_proj_bias", bias),
-            qk_norm=fixed.get("qk_norm", False),
-            max_position_embeddings=c.get("max_position_embeddings", 2048),
-            sliding_window=sliding_window,
-            bos_token_id=c.get("bos_token_id"),
-            eos_token_ids=eos,
-            torch_dtype=c.get("torch_dtype") or c.get("dtype"),
-        )
+            config, source = _read_json(path), str(path)
+            gen_path = path.parent / "generation_config.json"  # more EOS ids
+            if gen_path.is_file():
+                generation = _Fields(_read_json(gen_path), str(gen_path))
+        return _parse_config(_Fields(dict(config), source), generation, cls)
+
+# %% ../chapters/02_naive_loop.ipynb #c011b
+def _parse_config(f: _Fields, generation: _Fields, cls=ModelConfig) -> ModelConfig:
+    """The checked fields of config.json (f) and generation_config.json (generation)."""
+    model_type = f.data.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{f.source}: model_type {model_type!r} (architectures="
+                         f"{f.data.get('architectures')}) is not supported; "
+                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    if f.get("hidden_act", "silu") != "silu":
+        f.bad("hidden_act", f.data["hidden_act"], "'silu' (SwiGLU)")
+    if f.flag("mlp_bias"):
+        f.bad("mlp_bias", True, "false (MLPs without bias)")
+    vocab, hidden = f.int("vocab_size"), f.int("hidden_size")
+    heads, layers = f.int("num_attention_heads"), f.int("num_hidden_layers")
+    kv_heads = f.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        f.bad("num_key_value_heads", kv_heads,
+              f"a divisor of num_attention_heads={heads}")
+    head_dim = f.int("head_dim", hidden // heads if hidden % heads == 0 else None)
+    if head_dim is None or head_dim % 2:
+        f.bad("head_dim", head_dim, "an even int (RoPE turns pairs of channels)")
+    # RoPE: transformers 5 writes "rope_parameters", older files "rope_theta" and
+    # "rope_scaling". Read both.
+    rope = {}
+    for name in ("rope_parameters", "rope_scaling"):
+        part = f.get(name, {})
+        if not isinstance(part, dict):
+            f.bad(name, part, "an object or null")
+        rope.update(part)
+    rope_theta = _Fields(rope, f.source).number("rope_theta", f.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        f.bad("rope_scaling type", rope_type, "'default' or 'llama3'")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        f.bad("partial_rotary_factor", rope["partial_rotary_factor"],
+              "1 (RoPE on the whole head)")
+    rope_scaling = None
+    if rope_type == "llama3":
+        r = _Fields(rope, f"{f.source}: rope_scaling of type 'llama3'")
+        rope_scaling = {k: r.number(k) for k in ("factor", "low_freq_factor",
+                                                 "high_freq_factor")}
+        if rope_scaling["high_freq_factor"] <= rope_scaling["low_freq_factor"]:
+            r.bad("high_freq_factor", rope_scaling["high_freq_factor"],
+                  f"> low_freq_factor={rope_scaling['low_freq_factor']}")
+        old = r.int("original_max_position_embeddings")
+        rope_scaling["original_max_position_embeddings"] = old
+    sliding_window = f.int("sliding_window", None)
+    if model_type in ("qwen2", "qwen3") and not f.flag("use_sliding_window"):
+        sliding_window = None  # Qwen stores a window but uses it only when asked to
+    if model_type in ("qwen2", "qwen3") and sliding_window is not None:
+        if f.int("max_window_layers", 0, low=0) < layers:
+            f.bad("max_window_layers", f.data.get("max_window_layers"),
+                  f">= num_hidden_layers={layers} (a window on some layers only)")
+    eos = []
+    more = generation.token_ids("eos_token_id", vocab)  # what generate() reads
+    for token in f.token_ids("eos_token_id", vocab) + more:
+        eos += [token] if token not in eos else []
+    bos = f.token_ids("bos_token_id", vocab)
+    dtype = f.get("torch_dtype", None) or f.get("dtype", None)
+    if dtype is not None and not isinstance(dtype, str):
+        f.bad("torch_dtype", dtype, "a dtype name such as 'bfloat16'")
+    fixed, bias = SUPPORTED_ARCHITECTURES[model_type], f.flag("attention_bias")
+    return cls(
+        model_type=model_type, vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size"), num_layers=layers,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rope_theta=rope_theta, rope_scaling=rope_scaling,
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+        tie_word_embeddings=f.flag("tie_word_embeddings"),
+        attention_bias=fixed.get("attention_bias", bias),
+        o_proj_bias=fixed.get("o_proj_bias", bias),
+        qk_norm=fixed.get("qk_norm", False),
+        max_position_embeddings=f.int("max_position_embeddings", 2048),
+        sliding_window=sliding_window, bos_token_id=bos[0] if bos else None,
+        eos_token_ids=eos, torch_dtype=dtype,
+    )
 
 # %% ../chapters/02_naive_loop.ipynb #c014
 class RMSNorm(nn.Module):
@@ -287,101 +369,215 @@ class Transformer(nn.Module):
 # %% ../chapters/02_naive_loop.ipynb #c026
 def _resolve_folder(path: str | os.PathLike) -> Path:
     """A local folder as is; otherwise a Hugging Face Hub repo id, downloaded when online."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path is a {type(path).__name__}; give a folder or a Hub repo id")
     folder = Path(path).expanduser()
     if folder.is_dir():
         return folder
     name = str(path)
-    looks_like_repo_id = name.count("/") == 1 and not name.startswith((".", "/", "~")) and not folder.exists()
+    looks_like_repo_id = (name.count("/") == 1 and not folder.exists()
+                          and not name.startswith((".", "/", "~")))
     if not looks_like_repo_id:
-        raise FileNotFoundError(f"model folder {name!r} does not exist (expected a folder with config.json "
-                                "and *.safetensors, or a Hugging Face repo id like 'org/name')")
+        raise FileNotFoundError(f"model folder {name!r} does not exist (expected a folder "
+                                "with config.json and *.safetensors, or a Hugging Face "
+                                "repo id like 'org/name')")
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        raise FileNotFoundError(f"{name!r} is not a local folder, and HF_HUB_OFFLINE is set so it cannot be "
-                                "downloaded; pass a local folder or unset HF_HUB_OFFLINE")
+        raise FileNotFoundError(f"{name!r} is not a local folder, and HF_HUB_OFFLINE is set "
+                                "so it cannot be downloaded; pass a local folder or unset "
+                                "HF_HUB_OFFLINE")
     try:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
     except Exception as e:  # no network, unknown repo, gated repo ...
-        raise FileNotFoundError(f"could not download {name!r} from the Hugging Face Hub ({type(e).__name__}: {e}); "
-                                "are you offline? pass a local folder instead") from e
+        raise FileNotFoundError(f"could not download {name!r} from the Hugging Face Hub "
+                                f"({type(e).__name__}: {e}); are you offline? pass a local "
+                                "folder instead") from e
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    """The checkpoint's files: model.safetensors, or the shards named in model.safetensors.index.json."""
+    """The checkpoint's files: model.safetensors, or the shards that the index names."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        files = [folder / n for n in names]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to file names")
+        for name in set(weight_map.values()):
+            parts = PurePosixPath(name.replace("\\", "/")).parts
+            if not parts or name.startswith(("/", "\\")) or ".." in parts or ":" in name:
+                raise ValueError(f"{index} names the shard {name!r}, which is not a file "
+                                 f"inside {folder}")
+        files = [folder / n for n in sorted(set(weight_map.values()))]
     elif (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]
     else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json "
+                                f"in {folder}")
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"the checkpoint in {folder} lacks the shards {missing}")
     return files
 
+# %% ../chapters/02_naive_loop.ipynb #c026h
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+FLOAT_DTYPES = ("F32", "F16", "BF16")  # what the loader copies into the model
 
-def _check_dtype(dtype: torch.dtype, device: torch.device) -> None:
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype {dtype} is not supported; use torch.float32, torch.float16 or torch.bfloat16")
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"this GPU ({torch.cuda.get_device_name(device)}) cannot run bfloat16; use torch.float16")
+
+def read_safetensors_header(file: Path) -> dict:
+    """{tensor name: {"dtype", "shape", "data_offsets"}} from a safetensors file's header,
+    after checking that the file holds every byte the header promises (a cut download)."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+        if not 0 < n <= size - 8:
+            raise ValueError(f"{file} is not a complete safetensors file ({size} bytes; "
+                             "truncated? download it again)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file}: the header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: the header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - n
+    for name, info in header.items():
+        try:
+            begin, end = info["data_offsets"]
+            shape, dtype = [int(d) for d in info["shape"]], info["dtype"]
+            numel = math.prod(shape)
+            ok = 0 <= begin <= end and end - begin == numel * _ITEMSIZE[dtype]
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{file}: the header entry of {name!r} is malformed: {info}")
+        if end > data_bytes:
+            raise ValueError(f"{file} is truncated: {name!r} ends at byte {end} of the data, "
+                             f"the file holds {data_bytes}; download it again")
+    return header
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None -> cuda if available, else cpu. A device this machine lacks -> ValueError."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device={device!r} is not a device name; allowed are 'cpu', "
+                         "'cuda', 'cuda:N' and 'mps'") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"device={device!r}, but torch sees no CUDA GPU here "
+                             "(torch.cuda.is_available() is False); use 'cpu'")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"device={device!r}: there is no GPU {dev.index}; torch sees "
+                             f"{n} (cuda:0 to cuda:{n - 1})")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={device!r}, but MPS (Apple GPU) is not available here")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device={device!r}: allowed are 'cpu', 'cuda', 'cuda:N' and 'mps'")
+    return dev
+
+
+def _check_dtype(dtype, device: torch.device) -> torch.dtype:
+    """The dtype to load in (a torch dtype or its name); ValueError if the device lacks it."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype {dtype} is not supported; use torch.float32, "
+                         "torch.float16 or torch.bfloat16")
+    dtype = getattr(torch, name)
+    if device.type == "cuda" and dtype == torch.bfloat16 \
+            and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"this GPU ({torch.cuda.get_device_name(device)}) cannot run "
+                         "bfloat16; use torch.float16")
     if device.type == "cpu" and dtype == torch.float16:
-        warnings.warn("float16 on CPU is slow and sometimes inexact; float32 or bfloat16 are better on CPU")
+        warnings.warn("float16 on CPU is slow and sometimes inexact; "
+                      "float32 or bfloat16 are better on CPU")
+    try:  # a tiny matmul: can this device compute in this dtype at all?
+        x = torch.ones(2, 2, dtype=dtype, device=device)
+        (x @ x).sum().item()
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{device} cannot compute in {dtype} ({e})") from None
+    return dtype
 
 # %% ../chapters/02_naive_loop.ipynb #c026b
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; we compute them
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None,
-               device: str | torch.device | None = None) -> Transformer:
-    """Load a Hugging Face Llama/Mistral/Qwen2/Qwen3 checkpoint (safetensors) into a Transformer, in eval mode.
+def _plan(files: list[Path], model: Transformer) -> dict[Path, list[str]]:
+    """Which keys to read from which file, checked against the model's parameters."""
+    params, tied = dict(model.named_parameters()), model.config.tie_word_embeddings
+    plan, seen = {}, {}
+    for file in files:
+        plan[file] = []
+        for key, info in read_safetensors_header(file).items():
+            name = key.removeprefix("model.")
+            if name.endswith(_IGNORED_KEYS) or (tied and name == "lm_head.weight"):
+                continue
+            if name not in params:
+                raise ValueError(f"{file.name} holds {key!r}, which a "
+                                 f"{model.config.model_type} Transformer does not have")
+            if name in seen:
+                raise ValueError(f"{key!r} is in two shards: {seen[name]} and {file.name}")
+            if tuple(info["shape"]) != tuple(params[name].shape):
+                raise ValueError(f"{key!r} has shape {tuple(info['shape'])} in {file.name}, "
+                                 f"the config says {tuple(params[name].shape)}")
+            if info["dtype"] not in FLOAT_DTYPES:
+                raise ValueError(f"{key!r} is {info['dtype']} in {file.name}; this loader "
+                                 f"reads {FLOAT_DTYPES} (no quantized checkpoints)")
+            seen[name] = file.name
+            plan[file].append(key)
+    missing = sorted(set(params) - set(seen))
+    if missing:
+        raise ValueError(f"the checkpoint in {files[0].parent} lacks {missing[:5]} "
+                         f"({len(missing)} tensors)")
+    return plan
 
-    The model is built on the meta device (no memory), given empty storage on `device`, and filled
-    one tensor at a time from one safetensors file at a time: the host never holds two copies.
+# %% ../chapters/02_naive_loop.ipynb #c026c
+def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
+               device: str | torch.device | None = None) -> Transformer:
+    """Load a Hugging Face Llama/Mistral/Qwen2/Qwen3 checkpoint (safetensors), in eval mode.
+
+    Everything is checked first (config, files, names, shapes, device, dtype). Then the
+    model is built on the meta device (no memory), given empty storage on `device`, and
+    filled one tensor at a time, one file at a time: the host never holds two copies.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from tqdm.auto import tqdm
 
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device)
     if dtype is not None:
-        _check_dtype(dtype, device)
+        dtype = _check_dtype(dtype, device)
     folder = _resolve_folder(path)
     config = ModelConfig.from_hf(folder)
     files = safetensors_files(folder)
-    if dtype is None:
-        saved = getattr(torch, str(config.torch_dtype).replace("torch.", ""), None) if config.torch_dtype else None
-        dtype = saved if device.type != "cpu" and isinstance(saved, torch.dtype) else torch.float32
-        if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-            dtype = torch.float16  # e.g. a Colab T4: the checkpoint's bfloat16 cannot run there
-        _check_dtype(dtype, device)
+    if dtype is None:  # float32 on CPU; on a GPU the checkpoint's own dtype
+        saved = str(config.torch_dtype).removeprefix("torch.")
+        dtype = saved if device.type != "cpu" and saved in ("float16", "bfloat16") \
+            else "float32"
+        if device.type == "cuda" and dtype == "bfloat16" \
+                and not torch.cuda.is_bf16_supported():
+            dtype = "float16"  # e.g. a Colab T4 cannot run the checkpoint's bfloat16
+        dtype = _check_dtype(dtype, device)
 
     with torch.device("meta"):
         model = Transformer(config)
-    model = model.to(dtype=dtype).to_empty(device=device)  # storage, not yet initialised
+    plan = _plan(files, model)  # every check passed: now allocate and read
+    model = model.to(dtype=dtype).to_empty(device=device)  # storage, not initialised
     if config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
         model.lm_head.weight = model.embed_tokens.weight
     model.rope.reset_tables()
 
-    params = dict(model.named_parameters())  # tied weights appear once, under embed_tokens
-    todo = set(params)
-    for file in tqdm(files, desc=f"loading {folder.name}", unit="shard", disable=len(files) == 1):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = key.removeprefix("model.")
-                if name.endswith(_IGNORED_KEYS) or (config.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                if name not in params:
-                    raise ValueError(f"{file.name} holds {key!r}, which a {config.model_type} Transformer does not have")
-                tensor = f.get_tensor(key)
-                if tensor.shape != params[name].shape:
-                    raise ValueError(f"{key!r} has shape {tuple(tensor.shape)} in {file.name}, "
-                                     f"the config says {tuple(params[name].shape)}")
-                with torch.no_grad():
-                    params[name].copy_(tensor)  # converts dtype and moves to the device
-                del tensor
-                todo.discard(name)
-    if todo:
-        raise ValueError(f"the checkpoint in {folder} lacks {sorted(todo)[:5]} ({len(todo)} tensors)")
+    params = dict(model.named_parameters())  # tied weights appear once (embed_tokens)
+    for file in tqdm(files, desc=f"loading {folder.name}", unit="shard",
+                     disable=len(files) == 1):
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in plan[file]:
+                    with torch.no_grad():  # copy_ converts the dtype, moves to the device
+                        params[key.removeprefix("model.")].copy_(f.get_tensor(key))
+        except SafetensorError as e:
+            raise ValueError(f"{file} cannot be read ({e})") from None
     return model.eval()

@@ -10,26 +10,59 @@ import torch
 from .sampling import SamplingParams, make_generator, sample
 
 
-def check_prompt(model, prompt_ids, params: SamplingParams) -> list[int]:
-    """Reject what cannot run before any forward pass: empty prompt, bad ids, too long for the context."""
+def _as_id_list(prompt_ids) -> list:
+    """One prompt as a list; refuses text, batches, float or bool arrays, sets, ..."""
+    if isinstance(prompt_ids, (str, bytes, bytearray)):
+        raise ValueError(f"prompt_ids is a {type(prompt_ids).__name__} "
+                         f"({prompt_ids[:20]!r}): encode text with the tokenizer first")
+    if hasattr(prompt_ids, "__array__") and not isinstance(prompt_ids, torch.Tensor):
+        try:  # a numpy array
+            prompt_ids = torch.as_tensor(prompt_ids)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"prompt_ids cannot be read as token ids ({e})") from None
     if isinstance(prompt_ids, torch.Tensor):
-        prompt_ids = prompt_ids.flatten().tolist()
-    ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt_ids]
+        if prompt_ids.dim() != 1:
+            raise ValueError(f"prompt_ids has shape {tuple(prompt_ids.shape)}; give one "
+                             "prompt, a 1-D sequence of ids (of a [1, T] batch: ids[0])")
+        if prompt_ids.is_floating_point() or prompt_ids.is_complex() \
+                or prompt_ids.dtype == torch.bool:
+            raise ValueError(f"prompt_ids has dtype {prompt_ids.dtype}; "
+                             "token ids are integers")
+        return prompt_ids.tolist()
+    if not isinstance(prompt_ids, (list, tuple, range)):
+        raise ValueError(f"prompt_ids is a {type(prompt_ids).__name__}; "
+                         "give a list of token ids or a 1-D tensor")
+    return list(prompt_ids)
+
+
+def check_prompt(model, prompt_ids, params: SamplingParams) -> list[int]:
+    """Reject what cannot run, before any forward pass: returns the prompt as a list of ints."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params is a {type(params).__name__}; give a SamplingParams")
+    ids = _as_id_list(prompt_ids)
     if not ids:
         raise ValueError("the prompt is empty; give at least one token id (e.g. the BOS token)")
     vocab = model.config.vocab_size
-    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt ids {bad[:5]} are not token ids; allowed: ints in [0, {vocab})")
+    is_id = [isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab
+             for t in ids]
+    if not all(is_id):
+        bad = [t for t, ok in zip(ids, is_id) if not ok]
+        raise ValueError(f"prompt ids {bad[:5]!r:.200} are not token ids; "
+                         f"allowed: ints in [0, {vocab})")
+    outside = [t for t in params.stop_token_ids if t >= vocab]
+    if outside:
+        raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary "
+                         f"[0, {vocab}): they can never be generated")
     context = model.config.context_length
     if len(ids) + params.max_new_tokens > context:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                         f"{len(ids) + params.max_new_tokens} exceeds the model's context of {context} tokens")
-    return ids
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
+                         f"({params.max_new_tokens}) = {len(ids) + params.max_new_tokens} "
+                         f"exceeds the model's context of {context} tokens")
+    return [int(t) for t in ids]
 
 
 def stop_ids(model, params: SamplingParams) -> set[int]:
-    """The token ids that end generation: the model's EOS (unless ignore_eos) and params.stop_token_ids."""
+    """The ids that end generation: the model's EOS (unless ignore_eos), params.stop_token_ids."""
     eos = set() if params.ignore_eos else set(model.config.eos_token_ids)
     return eos | set(params.stop_token_ids)
 
@@ -37,17 +70,19 @@ def stop_ids(model, params: SamplingParams) -> set[int]:
 __all__ = ['check_prompt', 'stop_ids', 'naive_generate']
 
 # %% ../chapters/02_naive_loop.ipynb #c051
-def naive_generate(model, prompt_ids, params: SamplingParams | None = None, tokenizer=None) -> list[int]:
-    """Generate by running the WHOLE sequence through the model for every new token (no KV cache).
+def naive_generate(model, prompt_ids, params: SamplingParams | None = None,
+                   tokenizer=None) -> list[int]:
+    """Generate by running the WHOLE sequence through the model for every new token.
 
-    Returns the new token ids only, including the token that stopped generation (EOS, a stop id, or
-    the token that completed a stop string). Stop strings need `tokenizer` (anything with
-    .decode(list[int]) -> str): the new tokens are decoded after each step and searched.
+    Returns the new token ids only, including the token that stopped generation (EOS, a
+    stop id, or the token that completed a stop string). Stop strings need `tokenizer`
+    (anything with .decode(list[int]) -> str): the new tokens are decoded after each step.
     """
-    params = params or SamplingParams()
+    params = SamplingParams() if params is None else params
     ids = check_prompt(model, prompt_ids, params)
     if params.stop and tokenizer is None:
-        raise ValueError(f"stop={params.stop} needs a tokenizer to decode the text; pass tokenizer=...")
+        raise ValueError(f"stop={params.stop} needs a tokenizer to decode the text; "
+                         "pass tokenizer=...")
     device = model.embed_tokens.weight.device
     generator = make_generator(params, device)
     stop = stop_ids(model, params)
@@ -56,10 +91,11 @@ def naive_generate(model, prompt_ids, params: SamplingParams | None = None, toke
     new: list[int] = []
     with torch.inference_mode():
         for _ in range(params.max_new_tokens):
-            logits = model(tokens, positions[:, :tokens.shape[1]], last_only=True)[:, -1]  # the whole sequence, again
+            n = tokens.shape[1]  # the whole sequence goes through the model, again
+            logits = model(tokens, positions[:, :n], last_only=True)[:, -1]
             next_id = sample(logits, params, generator, prev_ids=tokens)
             tokens = torch.cat([tokens, next_id[:, None]], dim=1)
-            new.append(int(next_id))  # one device sync per token: we must look at it to know when to stop
+            new.append(int(next_id))  # we must look at the id to know when to stop
             if new[-1] in stop:
                 break
             if params.stop and any(s in tokenizer.decode(new) for s in params.stop):

@@ -4,159 +4,289 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass
 
 import torch
 
+MIN_TEMPERATURE = MIN_PENALTY = 0.01  # smaller values overflow float32 logits (inf, NaN)
+MAX_TEMPERATURE = MAX_PENALTY = 100.0
 
-@dataclass
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _as_tuple(x, name: str) -> tuple:
+    """None -> (), one value -> (value,), a list/tuple/set -> a tuple."""
+    if x is None:
+        return ()
+    if isinstance(x, str) or _int(x):
+        return (x,)
+    if isinstance(x, (bytes, bytearray, dict)) or not hasattr(x, "__iter__"):
+        raise ValueError(f"{name}={x!r} is not allowed; give a list")
+    return tuple(x)
+
+# %% auto #0
+__all__ = ['MIN_TEMPERATURE', 'MIN_PENALTY', 'MAX_TEMPERATURE', 'MAX_PENALTY', 'SamplingParams', 'make_generator',
+           'apply_repetition_penalty', 'NonFiniteLogitsError', 'filter_logits', 'sample']
+
+# %% ../chapters/02_naive_loop.ipynb #c035p
+@dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token, and when to stop. temperature=0 means greedy (argmax)."""
+    """How to pick each next token, and when to stop. temperature=0 means greedy.
+
+    Frozen: nobody can change a field after the checks ran. For a changed copy use
+    dataclasses.replace(params, temperature=0.5), which runs the checks again.
+    """
     temperature: float = 1.0
     top_k: int = 0                  # keep the k most likely tokens; 0 = off
-    top_p: float = 1.0              # keep the smallest set of tokens with probability mass >= top_p; 1 = off
-    min_p: float = 0.0              # drop tokens less likely than min_p * (most likely token); 0 = off
-    repetition_penalty: float = 1.0 # > 1 makes tokens seen before less likely; 1 = off
+    top_p: float = 1.0              # keep the best tokens up to this mass; 1 = off
+    min_p: float = 0.0              # drop tokens below min_p * the best one; 0 = off
+    repetition_penalty: float = 1.0 # > 1: tokens seen before get less likely; 1 = off
     max_new_tokens: int = 64
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)  # stop once the generated text contains one of these
+    stop_token_ids: tuple[int, ...] = ()  # stop after one of these ids
+    stop: tuple[str, ...] = ()      # stop once the new text contains one of these
     ignore_eos: bool = False
     seed: int | None = None         # same seed, same tokens
 
     def __post_init__(self):
         def bad(name, allowed):
-            raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; {name} must be {allowed}")
-        def number(x):
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-        def integer(x):
-            return isinstance(x, int) and not isinstance(x, bool)
-        if not number(self.temperature) or self.temperature < 0:
-            bad("temperature", "a number >= 0 (0 = greedy)")
-        if not integer(self.top_k) or self.top_k < 0:
+            value = getattr(self, name)
+            raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
+        def put(name, value):  # a frozen dataclass sets its fields through object
+            object.__setattr__(self, name, value)
+
+        t = self.temperature
+        if not _real(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+            bad("temperature", f"0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
+        if not _int(self.top_k) or self.top_k < 0:
             bad("top_k", "an int >= 0 (0 = off)")
-        if not number(self.top_p) or not 0 < self.top_p <= 1:
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1] (1 = off)")
-        if not number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not _real(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "a number in [0, 1] (0 = off)")
-        if not number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "a number > 0 (1 = off)")
-        if not integer(self.max_new_tokens) or self.max_new_tokens < 1:
+        r = self.repetition_penalty
+        if not _real(r) or not MIN_PENALTY <= r <= MAX_PENALTY:
+            bad("repetition_penalty", f"in [{MIN_PENALTY}, {MAX_PENALTY}] (1 = off)")
+        if not _int(self.max_new_tokens) or self.max_new_tokens < 1:
             bad("max_new_tokens", "an int >= 1")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        if not all(isinstance(s, str) and s for s in self.stop):
+        stop = _as_tuple(self.stop, "stop")
+        if not all(isinstance(s, str) and s for s in stop):
             bad("stop", "a list of non-empty strings")
-        self.stop_token_ids = list(self.stop_token_ids)
-        if not all(integer(t) and t >= 0 for t in self.stop_token_ids):
+        ids = _as_tuple(self.stop_token_ids, "stop_token_ids")
+        if not all(_int(t) and t >= 0 for t in ids):
             bad("stop_token_ids", "a list of token ids (ints >= 0)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "True or False")
-        if self.seed is not None and not integer(self.seed):
-            bad("seed", "None or an int")
+        if self.seed is not None and not (_int(self.seed) and 0 <= self.seed < 2**64):
+            bad("seed", "None or an int in [0, 2**64)")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            put(name, float(getattr(self, name)))  # numpy numbers become plain floats
+        put("top_k", int(self.top_k))
+        put("max_new_tokens", int(self.max_new_tokens))
+        put("seed", None if self.seed is None else int(self.seed))
+        put("stop", stop)
+        put("stop_token_ids", tuple(int(t) for t in ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """One random generator per request, seeded from params.seed (None: use torch's global RNG)."""
+def make_generator(params: SamplingParams,
+                   device: torch.device | str = "cpu") -> torch.Generator | None:
+    """One random generator per request, seeded from params.seed (None: torch's global RNG)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params is a {type(params).__name__}; give a SamplingParams")
     if params.seed is None:
         return None
     return torch.Generator(device=device).manual_seed(params.seed)
-
-# %% auto #0
-__all__ = ['SamplingParams', 'make_generator', 'apply_repetition_penalty', 'filter_logits', 'sample']
 
 # %% ../chapters/02_naive_loop.ipynb #c038
 def _rows(x, B: int, name: str) -> list:
     """One value per row: broadcast a single value, or check that a list has B entries."""
     if isinstance(x, torch.Tensor) and x.dim() == 2:  # prev_ids as a [B, L] tensor
         x = list(x)
-    if x is None or not isinstance(x, (list, tuple)) or (name == "prev_ids" and x and isinstance(x[0], int)):
-        return [x] * B
+    one_list = name == "prev_ids" and isinstance(x, (list, tuple)) and len(x) > 0 \
+        and not isinstance(x[0], (list, tuple, torch.Tensor))
+    if one_list or not isinstance(x, (list, tuple)):
+        return [x] * B  # the same value for every row
     if len(x) != B:
         raise ValueError(f"{name} has {len(x)} entries for a batch of {B} rows")
     return list(x)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, penalty: float, prev_ids) -> torch.Tensor:
-    """Make every token in prev_ids less likely: positive logits are divided, negative ones multiplied."""
+    """Make the tokens in prev_ids less likely: divide positive logits, multiply negative ones.
+
+    prev_ids must be token ids; `sample` and `filter_logits` check them. Ids outside the
+    vocabulary are clamped here, so that a bad id cannot crash a GPU kernel before the check.
+    """
     if penalty == 1.0 or prev_ids is None or len(prev_ids) == 0:
         return logits
-    ids = torch.as_tensor(prev_ids, device=logits.device).long().unique()
+    ids = torch.as_tensor(prev_ids, device=logits.device).long()
+    ids = ids.clamp(0, logits.shape[-1] - 1).unique()
     seen = logits.index_select(-1, ids)
     return logits.index_copy(-1, ids, torch.where(seen < 0, seen * penalty, seen / penalty))
 
-
-def filter_logits(logits: torch.Tensor, params: SamplingParams | list[SamplingParams], prev_ids=None) -> torch.Tensor:
-    """Apply repetition penalty, temperature, top-k, top-p and min-p, in that order (as transformers does).
-
-    logits: [V] or [B, V]; params: one SamplingParams or one per row; prev_ids: the tokens seen so far
-    (one list for all rows, or one per row). Returns float32 logits where dropped tokens are -inf;
-    softmax of the result is the distribution `sample` draws from. Greedy rows only get the penalty.
-    """
-    squeeze = logits.dim() == 1
-    logits = logits.float().reshape(-1, logits.shape[-1])
-    B, V = logits.shape
-    params, prev_ids = _rows(params, B, "params"), _rows(prev_ids, B, "prev_ids")
+# %% ../chapters/02_naive_loop.ipynb #c038b
+def _filter(logits: torch.Tensor, params: list[SamplingParams], prev_ids: list) -> torch.Tensor:
+    """filter_logits without the checks: logits [B, V] float32, one params per row."""
     if any(p.repetition_penalty != 1.0 for p in params):
-        logits = torch.stack([apply_repetition_penalty(logits[i], p.repetition_penalty, prev_ids[i])
+        logits = torch.stack([apply_repetition_penalty(logits[i], p.repetition_penalty,
+                                                       prev_ids[i])
                               for i, p in enumerate(params)])
     # temperature: sharpen (< 1) or flatten (> 1) the distribution
-    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
-    logits = logits / temperature[:, None]
+    temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    logits = logits / torch.tensor(temperature, device=logits.device)[:, None]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
         logits = _top_k_top_p(logits, params)
     if any(p.min_p > 0 for p in params if not p.greedy):
-        min_p = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=logits.device)
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
+        min_p = torch.tensor(min_p, device=logits.device)[:, None]
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
-    return logits[0] if squeeze else logits
+        too_rare = probs < min_p * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(too_rare, float("-inf"))
+    return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Both filters on one sort. Ties are broken towards the lower token id, so top-k keeps exactly k."""
+    """Both filters on one sort. Ties go to the lower token id: top-k keeps exactly k."""
     B, V = logits.shape
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(V, device=logits.device)
-    k = torch.tensor([p.top_k if p.top_k > 0 and not p.greedy else V for p in params], device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 and not p.greedy else 2.0 for p in params], device=logits.device)
+    k = [min(p.top_k, V) if p.top_k > 0 and not p.greedy else V for p in params]
+    k = torch.tensor(k, device=logits.device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    top_p = [p.top_p if p.top_p < 1.0 and not p.greedy else 2.0 for p in params]
+    top_p = torch.tensor(top_p, device=logits.device)[:, None]
     probs = sorted_logits.softmax(-1)
-    mass_before = probs.cumsum(-1) - probs  # probability of all tokens ranked above this one
-    drop = mass_before >= top_p[:, None]    # the token that crosses top_p is kept
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    mass_before = probs.cumsum(-1) - probs  # the mass of all tokens ranked above this one
+    drop = (mass_before >= top_p) & (rank > 0)  # keep the token that crosses top_p,
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))  # and the best one
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+# %% ../chapters/02_naive_loop.ipynb #c038c
+class NonFiniteLogitsError(ValueError):
+    """The logits hold NaN or inf: no token can be chosen from them."""
+
+
+def _check_inputs(logits, params, prev_ids) -> tuple[torch.Tensor, list, list, list]:
+    """Check what needs no look at the device; return logits [B, V], params per row,
+    prev_ids per row, and device-side checks of prev_ids tensors (flag, tensor) for later."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() not in (1, 2) \
+            or not logits.is_floating_point() or logits.shape[-1] == 0:
+        what = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
+        raise ValueError(f"logits {what}: give a float tensor [V] or [B, V], V > 0")
+    logits2d = logits.reshape(-1, logits.shape[-1])
+    B, V = logits2d.shape
+    rows = _rows(params, B, "params")
+    if not all(isinstance(p, SamplingParams) for p in rows):
+        kinds = sorted({type(p).__name__ for p in rows})
+        raise ValueError(f"params holds {kinds}; give a SamplingParams (or one per row)")
+    if hasattr(prev_ids, "__array__") and not isinstance(prev_ids, torch.Tensor):
+        try:  # a numpy array
+            prev_ids = torch.as_tensor(prev_ids)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"prev_ids cannot be read as token ids ({e})") from None
+    return logits2d, rows, _rows(prev_ids, B, "prev_ids"), _check_ids(prev_ids, V)
+
+
+def _check_ids(ids, V: int) -> list:
+    """Token ids in [0, V)? Python values are checked now; a tensor's range check stays
+    on the device (no waiting): returns [(bad flag, tensor)] for `_raise_if_bad`."""
+    if ids is None:
+        return []
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool \
+                or ids.dim() not in (1, 2):
+            raise ValueError(f"prev_ids is a {ids.dtype} tensor of shape {tuple(ids.shape)};"
+                             " allowed: int token ids, [L] or [B, L]")
+        if ids.numel() == 0:
+            return []
+        return [((ids.min() < 0) | (ids.max() >= V), ids)]
+    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"prev_ids={ids!r:.60}: give token ids (a list or a tensor)")
+    checks, bad = [], []
+    for t in ids:
+        if isinstance(t, (torch.Tensor, list, tuple)):
+            checks += _check_ids(t, V)
+        elif not _int(t) or not 0 <= t < V:
+            bad.append(t)
+    if bad:
+        raise ValueError(f"prev_ids {bad[:5]} are not token ids; allowed: ints in [0, {V})")
+    return checks
+
+
+def _raise_if_bad(ok: torch.Tensor, id_checks: list, logits2d: torch.Tensor) -> None:
+    """The one look at the device's results (a sync): were the logits finite, the ids valid?"""
+    flags = [~ok.all()] + [flag.to(ok.device) for flag, _ in id_checks]
+    if not torch.stack(flags).any().item():
+        return
+    bad_rows = (~ok).nonzero().flatten().tolist()
+    if bad_rows:
+        raw_ok = torch.isfinite(logits2d.amax(-1))[bad_rows].all().item()
+        why = ("the sampling filters left no finite logit" if raw_ok else
+               "the model produced NaN or inf: broken weights (check torch.isfinite on "
+               "each parameter), or float16 overflow (try bfloat16 or float32)")
+        raise NonFiniteLogitsError(f"no token can be chosen for row(s) {bad_rows[:8]}: {why}")
+    V = logits2d.shape[-1]
+    bad = torch.cat([t.flatten() for _, t in id_checks])
+    bad = bad[(bad < 0) | (bad >= V)].unique()[:5].tolist()
+    raise ValueError(f"prev_ids {bad} are not token ids; allowed: ints in [0, {V})")
+
+# %% ../chapters/02_naive_loop.ipynb #c038d
+def filter_logits(logits: torch.Tensor, params: SamplingParams | list[SamplingParams],
+                  prev_ids=None) -> torch.Tensor:
+    """Apply repetition penalty, temperature, top-k, top-p and min-p, in that order
+    (the order of transformers).
+
+    logits: [V] or [B, V]; params: one SamplingParams or one per row; prev_ids: the tokens
+    seen so far (one list for all rows, or one per row). Returns float32 logits where the
+    dropped tokens are -inf; their softmax is the distribution `sample` draws from.
+    Greedy rows only get the penalty.
+    """
+    logits2d, rows, prev_rows, id_checks = _check_inputs(logits, params, prev_ids)
+    filtered = _filter(logits2d.float(), rows, prev_rows)
+    _raise_if_bad(torch.isfinite(filtered.amax(-1)), id_checks, logits2d)
+    return filtered[0] if logits.dim() == 1 else filtered
 
 # %% ../chapters/02_naive_loop.ipynb #c040
 def sample(logits: torch.Tensor, params: SamplingParams | list[SamplingParams],
            generators: torch.Generator | list[torch.Generator | None] | None = None,
-           prev_ids=None) -> torch.Tensor:
-    """Pick one token per row of logits [B, V] (or [V]). Returns a LongTensor [B] (or a 0-d tensor).
+           prev_ids=None, check: bool = True) -> torch.Tensor:
+    """Pick one token per row of logits [B, V] (or [V]). Returns a LongTensor [B] (or 0-d).
 
-    Each row may have its own SamplingParams, its own generator (for reproducible seeds) and its own
-    previous tokens (for the repetition penalty). Greedy rows take the argmax.
+    Each row may have its own SamplingParams, its own generator (for reproducible seeds)
+    and its own previous tokens (for the repetition penalty). Greedy rows take the argmax.
+    NaN/inf logits raise NonFiniteLogitsError, prev_ids outside the vocabulary ValueError;
+    these checks wait for the device once per call (check=False skips them).
     """
-    squeeze = logits.dim() == 1
-    logits2d = logits.reshape(-1, logits.shape[-1])
-    B = logits2d.shape[0]
-    params_rows = _rows(params, B, "params")
-    if all(p.greedy and p.repetition_penalty == 1.0 for p in params_rows):
-        ids = logits2d.argmax(-1)  # the common fast path: nothing to filter, nothing to draw
-        return ids[0] if squeeze else ids
-    generators = _rows(generators, B, "generators")
-    filtered = filter_logits(logits2d, params_rows, prev_ids)
-    ids = filtered.argmax(-1)
-    if not all(p.greedy for p in params_rows):
+    logits2d, rows, prev_rows, id_checks = _check_inputs(logits, params, prev_ids)
+    if all(p.greedy and p.repetition_penalty == 1.0 for p in rows):
+        best, ids = logits2d.max(-1)  # the fast path: nothing to filter, nothing to draw
+        if check:  # max() propagates NaN, so `best` is finite only if the row is
+            _raise_if_bad(torch.isfinite(best), id_checks, logits2d)
+        return ids[0] if logits.dim() == 1 else ids
+    filtered = _filter(logits2d.float(), rows, prev_rows)
+    best, ids = filtered.max(-1)
+    if check:
+        raw_best = logits2d.amax(-1)
+        _raise_if_bad(torch.isfinite(best) & torch.isfinite(raw_best), id_checks, logits2d)
+    if not all(p.greedy for p in rows):
         probs = filtered.softmax(-1)  # float32
-        if all(g is generators[0] for g in generators):  # one shared generator: one call for the batch
+        generators = _rows(generators, len(rows), "generators")
+        if all(g is generators[0] for g in generators):  # one generator: one call
             drawn = torch.multinomial(probs, 1, generator=generators[0])[:, 0]
-            greedy = torch.tensor([p.greedy for p in params_rows], device=ids.device)
+            greedy = torch.tensor([p.greedy for p in rows], device=ids.device)
             ids = torch.where(greedy, ids, drawn)
         else:
-            drawn = [torch.multinomial(probs[i], 1, generator=generators[i]) if not p.greedy else ids[i:i + 1]
-                     for i, p in enumerate(params_rows)]
-            ids = torch.cat(drawn)
-    return ids[0] if squeeze else ids
+            ids = torch.cat([ids[i:i + 1] if p.greedy else
+                             torch.multinomial(probs[i], 1, generator=generators[i])
+                             for i, p in enumerate(rows)])
+    return ids[0] if logits.dim() == 1 else ids

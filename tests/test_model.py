@@ -1,5 +1,6 @@
 """minillm.model: config parsing, loading, and logits equal to transformers on tiny random models."""
 import json
+import re
 import warnings
 
 import pytest
@@ -225,3 +226,206 @@ def test_load_model_fetches_a_repo_id_through_the_hub(tmp_path, monkeypatch):
     model = load_model("mistralai/tiny-test", device="cpu")
     assert asked == ["mistralai/tiny-test"]
     assert max_diff(model, hf, PROMPTS[:1]) < 1e-4
+
+
+# ---- bad checkpoints: a clear error naming the file and the field, before any weight is loaded ----
+
+BAD_CONFIG = [  # (change to config.json, the field, the value the message must show)
+    (dict(vocab_size=None), "vocab_size", "lacks"),
+    (dict(vocab_size="101"), "vocab_size", "'101'"),
+    (dict(hidden_size=64.0), "hidden_size", "64.0"),
+    (dict(num_hidden_layers=True), "num_hidden_layers", "True"),
+    (dict(num_attention_heads=0), "num_attention_heads", "0"),
+    (dict(num_key_value_heads=3), "num_key_value_heads", "3"),
+    (dict(head_dim=15), "head_dim", "15"),
+    (dict(rope_theta=0.0, rope_parameters=None), "rope_theta", "0.0"),
+    (dict(rope_theta=-10000.0, rope_parameters=None), "rope_theta", "-10000.0"),
+    (dict(rope_parameters=dict(rope_type="default", rope_theta=-1.0)), "rope_theta", "-1.0"),
+    (dict(rope_parameters="fast"), "rope_parameters", "'fast'"),
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps", "-1e-06"),
+    (dict(rms_norm_eps=0), "rms_norm_eps", "0"),
+    (dict(rms_norm_eps="1e-6"), "rms_norm_eps", "'1e-6'"),
+    (dict(max_position_embeddings=0), "max_position_embeddings", "0"),
+    (dict(model_type="mistral", sliding_window=0), "sliding_window", "0"),
+    (dict(tie_word_embeddings="yes"), "tie_word_embeddings", "'yes'"),
+    (dict(attention_bias=1), "attention_bias", "1"),
+    (dict(eos_token_id=101), "eos_token_id", "101"),
+    (dict(eos_token_id=[2, -1]), "eos_token_id", "[2, -1]"),
+    (dict(eos_token_id="</s>"), "eos_token_id", "'</s>'"),
+    (dict(bos_token_id=500), "bos_token_id", "500"),
+    (dict(rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=0.0, low_freq_factor=1.0,
+                               high_freq_factor=4.0, original_max_position_embeddings=32)), "factor", "0.0"),
+    (dict(rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=4.0,
+                               high_freq_factor=4.0, original_max_position_embeddings=32)),
+     "high_freq_factor", "4.0"),
+    (dict(rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+                               high_freq_factor=4.0, original_max_position_embeddings=0)),
+     "original_max_position_embeddings", "0"),
+    (dict(torch_dtype=16, dtype=None), "torch_dtype", "16"),
+]
+
+
+def write_config(folder, **change):
+    transformers.LlamaConfig(**TINY).save_pretrained(folder)
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(change)
+    path.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return path
+
+
+@pytest.mark.parametrize("change, field, shown", BAD_CONFIG)
+def test_bad_config_names_file_field_and_value(tmp_path, change, field, shown):
+    path = write_config(tmp_path, **change)
+    with pytest.raises(ValueError) as info:
+        ModelConfig.from_hf(tmp_path)
+    message = str(info.value)
+    assert str(path) in message and field in message and shown in message, message
+
+
+@pytest.mark.parametrize("text, shown", [("{not json", "not valid JSON"), ("[1, 2]", "JSON list"),
+                                         ("", "not valid JSON")])
+def test_config_file_that_is_not_an_object(tmp_path, text, shown):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(shown)) as info:
+        ModelConfig.from_hf(tmp_path)
+    assert str(tmp_path / "config.json") in str(info.value)
+
+
+def test_generation_config_eos_outside_the_vocabulary(tmp_path):
+    write_config(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4000]}))
+    with pytest.raises(ValueError, match="generation_config.json.*eos_token_id.*4000"):
+        ModelConfig.from_hf(tmp_path)
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Fail the test if the loader allocates the model's storage."""
+    def refuse(*args, **kwargs):
+        pytest.fail("load_model allocated the model before it found the problem")
+    monkeypatch.setattr(torch.nn.Module, "to_empty", refuse)
+
+
+def test_truncated_safetensors_fails_before_loading(tmp_path, no_allocation):
+    make_hf("llama_gqa_untied", tmp_path)
+    file = tmp_path / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:-1000])  # a download cut short
+    with pytest.raises(ValueError, match="truncated") as info:
+        load_model(tmp_path, device="cpu")
+    assert str(file) in str(info.value)
+    for cut in (data[:5], data[:20], b""):  # not even a whole header
+        file.write_bytes(cut)
+        with pytest.raises(ValueError, match=re.escape(str(file))):
+            load_model(tmp_path, device="cpu")
+
+
+def test_header_that_is_not_json(tmp_path, no_allocation):
+    make_hf("llama_gqa_untied", tmp_path)
+    file = tmp_path / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[8:12] = b"\xff\xfe{{"
+    file.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="header") as info:
+        load_model(tmp_path, device="cpu")
+    assert str(file) in str(info.value)
+
+
+@pytest.mark.parametrize("shard", ["../evil.safetensors", "/etc/evil.safetensors", "a/../../evil.safetensors",
+                                   "C:evil.safetensors", ""])
+def test_index_may_only_name_files_inside_the_folder(tmp_path, shard, no_allocation):
+    make_hf("llama_gqa_untied", tmp_path / "m", max_shard_size="100KB")
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = shard
+    index.write_text(json.dumps(data))
+    (tmp_path / "evil.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError) as info:
+        load_model(tmp_path / "m", device="cpu")
+    assert repr(shard) in str(info.value) and str(index) in str(info.value)
+
+
+@pytest.mark.parametrize("weight_map", [None, [], {}, {"lm_head.weight": 3}])
+def test_index_without_a_proper_weight_map(tmp_path, weight_map):
+    make_hf("llama_gqa_untied", tmp_path, max_shard_size="100KB")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match="weight_map"):
+        load_model(tmp_path, device="cpu")
+
+
+def test_a_tensor_in_two_shards(tmp_path, no_allocation):
+    from safetensors.torch import load_file, save_file
+    make_hf("llama_gqa_untied", tmp_path, max_shard_size="100KB")
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    first, second = load_file(shards[0]), load_file(shards[1])
+    twice = next(iter(first))
+    second[twice] = first[twice]
+    save_file(second, shards[1], metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(repr(twice)) + ".*two shards"):
+        load_model(tmp_path, device="cpu")
+
+
+def test_quantized_tensor_dtype_is_refused(tmp_path, no_allocation):
+    from safetensors.torch import load_file, save_file
+    make_hf("llama_gqa_untied", tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["model.norm.weight"] = state["model.norm.weight"].to(torch.int8)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'model.norm.weight' is I8"):
+        load_model(tmp_path, device="cpu")
+
+
+def test_wrong_shape_and_unknown_tensor(tmp_path, no_allocation):
+    from safetensors.torch import load_file, save_file
+    make_hf("llama_gqa_untied", tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["model.norm.weight"] = torch.ones(3)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape("'model.norm.weight' has shape (3,)")):
+        load_model(tmp_path, device="cpu")
+    state["model.norm.weight"] = torch.ones(TINY["hidden_size"])
+    state["model.extra.weight"] = torch.ones(3)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.extra.weight"):
+        load_model(tmp_path, device="cpu")
+
+
+def _unavailable_devices():
+    devices = ["meta", "gpu", "cuda:99", "xla", "cuda:-1"]
+    if not torch.cuda.is_available():
+        devices += ["cuda", "cuda:0"]
+    if not torch.backends.mps.is_available():
+        devices += ["mps"]
+    return devices
+
+
+@pytest.mark.parametrize("device", _unavailable_devices())
+def test_devices_this_machine_lacks(tmp_path, device, no_allocation):
+    make_hf("llama_gqa_untied", tmp_path)
+    with pytest.raises(ValueError) as info:
+        load_model(tmp_path, device=device)
+    assert repr(device) in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, "float64", "fp8", torch.bool])
+def test_dtypes_the_loader_refuses(tmp_path, dtype, no_allocation):
+    make_hf("llama_gqa_untied", tmp_path)
+    with pytest.raises(ValueError, match=re.escape(str(dtype))):
+        load_model(tmp_path, dtype=dtype, device="cpu")
+
+
+def test_dtype_by_name(tmp_path):
+    make_hf("llama_gqa_untied", tmp_path)
+    model = load_model(tmp_path, dtype="bfloat16", device="cpu")
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    model = load_model(tmp_path, dtype="torch.float32", device=torch.device("cpu"))
+    assert model.embed_tokens.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("path", [None, 5, ["a"]])
+def test_path_must_be_a_path(path):
+    with pytest.raises(ValueError, match="path is a"):
+        load_model(path, device="cpu")

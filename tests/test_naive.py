@@ -1,11 +1,16 @@
 """minillm.naive: the naive loop against transformers' generate, stopping rules, bad input."""
+import copy
+import re
+
+import numpy as np
 import pytest
 import torch
 import transformers
 
 from minillm.model import load_model
 from minillm.naive import naive_generate
-from minillm.sampling import SamplingParams
+from minillm.sampling import NonFiniteLogitsError, SamplingParams
+from minillm import timing
 from minillm.timing import median_time, time_per_token
 from minillm.utils import bundled_model_path
 
@@ -87,15 +92,56 @@ def test_seeded_sampling_reproduces(tiny):
     assert c != a
 
 
-@pytest.mark.parametrize("prompt, kw, msg", [
+@pytest.mark.parametrize("prompt, kw, shown", [
     ([], {}, "empty"),
-    ([1] * 60, dict(max_new_tokens=5), "context"),
-    ([1, 500], {}, "token ids"),
+    ([1] * 60, dict(max_new_tokens=5), "65 exceeds the model's context of 64"),
+    ([1, 500], {}, "[500]"),
+    ([1, -3], {}, "[-3]"),
+    ([1, 97], {}, "[97]"),                                   # vocab is 97: ids are 0..96
+    ([1, True], {}, "[True]"),
+    ([1, 2.0], {}, "[2.0]"),
+    ([1, "2"], {}, "['2']"),
+    ([[1, 2], [3, 4]], {}, "[[1, 2], [3, 4]]"),              # a batch as nested lists
+    (torch.tensor([[1, 2], [3, 4]]), {}, "shape (2, 2)"),  # a batch: was silently flattened
+    (torch.tensor([[1, 2]]), {}, "shape (1, 2)"),
+    (torch.tensor(5), {}, "shape ()"),
+    (torch.tensor([1.0, 2.0]), {}, "torch.float32"),
+    (torch.tensor([True, False]), {}, "torch.bool"),
+    (np.array([1.0, 2.0]), {}, "torch.float64"),
+    (np.array([True]), {}, "torch.bool"),
+    (np.array([[1, 2]]), {}, "shape (1, 2)"),
+    (b"\x01\x05", {}, "bytes"),
+    ("ROMEO", {}, "'ROMEO'"),
+    ({1, 2}, {}, "set"),
+    (None, {}, "NoneType"),
+    (iter([1, 2]), {}, "list_iterator"),
+    ([1, 5], dict(stop_token_ids=[97]), "stop_token_ids [97]"),
 ])
-def test_bad_input_fails_before_running(tiny, prompt, kw, msg):
+def test_bad_input_fails_before_running(tiny, prompt, kw, shown, monkeypatch):
     _, model = tiny
-    with pytest.raises(ValueError, match=msg):
+    monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("the model ran"))
+    with pytest.raises(ValueError) as info:
         naive_generate(model, prompt, SamplingParams(**kw))
+    assert shown in str(info.value), str(info.value)
+
+
+def test_params_must_be_sampling_params(tiny):
+    _, model = tiny
+    with pytest.raises(ValueError, match="dict"):
+        naive_generate(model, [1, 2], {"temperature": 0})
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_new_tokens=5),
+                                    SamplingParams(temperature=0.8, top_k=10, max_new_tokens=5, seed=1)],
+                         ids=["greedy", "sampling"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_broken_weights_raise_instead_of_token_zero(tiny, params, poison):
+    _, model = tiny
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.layers[1].mlp.down_proj.weight[3, 5] = poison
+    with pytest.raises(NonFiniteLogitsError, match="NaN or inf"):
+        naive_generate(broken, [1, 5, 6], params)
 
 
 def test_numpy_and_tensor_prompts(tiny):
@@ -107,12 +153,37 @@ def test_numpy_and_tensor_prompts(tiny):
     assert naive_generate(model, torch.tensor([1, 5, 6]), p) == ref
 
 
-def test_timing_helpers():
+class FakeClock:
+    """perf_counter that only moves when the code under test does work."""
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_median_time_warms_up_repeats_and_takes_the_median(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    costs = iter([100.0, 100.0, 3.0, 1.0, 2.0])  # two warm-up calls (slow), then three timed ones
     calls = []
-    t = median_time(lambda: calls.append(1), warmup=2, repeats=3)
-    assert len(calls) == 5 and t >= 0
-    ts = time_per_token(lambda n: sum(range(n)), [10, 1000], progress=False)
-    assert len(ts) == 2 and all(x >= 0 for x in ts)
+    def work():
+        calls.append(1)
+        clock.now += next(costs)
+    assert median_time(work, warmup=2, repeats=3) == 2.0
+    assert len(calls) == 5
+
+
+def test_time_per_token_times_each_position(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    seen = []
+    def step(n):
+        seen.append(n)
+        clock.now += n / 1000
+    assert time_per_token(step, [10, 1000, 40], warmup=1, repeats=3, progress=False) == pytest.approx(
+        [0.01, 1.0, 0.04])
+    assert seen == [10] * 4 + [1000] * 4 + [40] * 4
 
 
 def test_bundled_model_greedy_equals_transformers():

@@ -1,10 +1,15 @@
-"""minillm.sampling: parameters, filters equal to transformers' logits processors, sampling statistics."""
+"""minillm.sampling: parameters, filters equal to transformers' logits processors, sampling
+statistics, and bad input (parameters, NaN/inf logits, prev_ids) rejected with clear errors."""
+import dataclasses
+import re
+
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (
     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from minillm.sampling import SamplingParams, filter_logits, make_generator, sample
+from minillm.sampling import NonFiniteLogitsError, SamplingParams, filter_logits, make_generator, sample
 
 V = 200
 
@@ -56,8 +61,6 @@ def test_top_k_keeps_exactly_k_even_with_ties():
     logits = torch.tensor([1.0, 3.0, 2.0, 2.0, 2.0, 0.5])
     kept = torch.isfinite(filter_logits(logits, SamplingParams(top_k=3))).nonzero().flatten().tolist()
     assert kept == [1, 2, 3]  # the tie at 2.0 is broken towards the lower id
-    # transformers keeps every token tied with the k-th one
-    assert torch.isfinite(TopKLogitsWarper(3)(None, logits[None])).sum() == 4
     for k in (1, 5, 17, V):
         assert torch.isfinite(filter_logits(torch.randn(V), SamplingParams(top_k=k))).sum() == k
 
@@ -96,7 +99,6 @@ def test_greedy_is_argmax():
 def test_seed_reproduces_and_rows_are_independent():
     logits = torch.randn(3, V)
     ps = [SamplingParams(seed=1), SamplingParams(seed=2, top_k=5), SamplingParams(temperature=0)]
-    draw = lambda: torch.stack([sample(logits, ps, [make_generator(p) for p in ps]) for _ in range(1)])
     g1 = [make_generator(p) for p in ps]
     g2 = [make_generator(p) for p in ps]
     a = torch.stack([sample(logits, ps, g1, prev_ids=[[1], [2], [3]]) for _ in range(30)])
@@ -108,16 +110,18 @@ def test_seed_reproduces_and_rows_are_independent():
     g3 = [make_generator(ps[0])]
     c = torch.stack([sample(logits[:1], ps[:1], g3) for _ in range(30)])
     assert torch.equal(a[:, 0], c[:, 0])
-    assert draw().shape == (1, 3)
+    one = sample(logits, ps, [make_generator(p) for p in ps])
+    assert one.shape == (3,) and one.dtype == torch.long
+    assert sample(logits[0], ps[0], make_generator(ps[0])).shape == ()
 
 
 # chi-square critical values at significance 0.001 for k-1 degrees of freedom (from tables)
 CHI2_999 = {4: 18.467, 9: 27.877}
 
 
-@pytest.mark.parametrize("kw, dof", [(dict(temperature=0.8, top_k=10), 9), (dict(top_p=0.7, temperature=1.5), None),
-                                     (dict(min_p=0.2), None)])
-def test_sampling_follows_the_filtered_distribution(kw, dof):
+@pytest.mark.parametrize("kw", [dict(temperature=0.8, top_k=10), dict(top_p=0.7, temperature=1.5),
+                                dict(min_p=0.2)])
+def test_sampling_follows_the_filtered_distribution(kw):
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(V, generator=gen)
     params = SamplingParams(seed=7, **kw)
@@ -140,20 +144,132 @@ def test_sampling_follows_the_filtered_distribution(kw, dof):
     assert chi2 < critical, (chi2, k)
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_k=-2), "top_k"), (dict(top_k=2.5), "top_k"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(min_p=-0.1), "min_p"), (dict(repetition_penalty=0), "repetition_penalty"),
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(seed="x"), "seed"), (dict(ignore_eos=1), "ignore_eos"),
+BAD_PARAMS = [
+    ("temperature", -1), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("temperature", 1e-300), ("temperature", 0.001), ("temperature", 1e6), ("temperature", "0.5"),
+    ("top_k", -2), ("top_k", 2.5), ("top_k", True), ("top_p", 0), ("top_p", 1.5), ("top_p", None),
+    ("min_p", -0.1), ("min_p", 2), ("repetition_penalty", 0), ("repetition_penalty", 1e-300),
+    ("repetition_penalty", 1e9), ("max_new_tokens", 0), ("max_new_tokens", 2.0),
+    ("stop", [""]), ("stop", [None]), ("stop", b"ab"), ("stop", 5),
+    ("stop_token_ids", [-1]), ("stop_token_ids", "ab"), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]),
+    ("seed", "x"), ("seed", 2**64), ("seed", -1), ("seed", 1.0), ("ignore_eos", 1), ("ignore_eos", None),
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_PARAMS)
+def test_bad_params_name_the_field_and_the_value(field, value):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**{field: value})
+    assert field in str(info.value) and repr(value) in str(info.value)
+
+
+def test_params_are_frozen_and_replace_checks_again():
+    p = SamplingParams(temperature=0.7, stop=["\n"], stop_token_ids=[3])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = -1.0
+    assert p.temperature == 0.7
+    assert isinstance(p.stop, tuple) and isinstance(p.stop_token_ids, tuple)  # no .append
+    assert dataclasses.replace(p, temperature=0).greedy
+    with pytest.raises(ValueError, match=re.escape("temperature=-1")):
+        dataclasses.replace(p, temperature=-1)
+    assert hash(p) == hash(SamplingParams(temperature=0.7, stop="\n", stop_token_ids=(3,)))
+
+
+def test_params_normalise_equivalent_inputs():
+    assert SamplingParams(stop=None).stop == () == SamplingParams().stop
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+    assert SamplingParams(stop_token_ids=7).stop_token_ids == (7,)
+    assert SamplingParams(stop_token_ids=np.array([4, 5])).stop_token_ids == (4, 5)
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.uint64(2**64 - 1))
+    assert p == SamplingParams(temperature=0.5, top_k=3, seed=2**64 - 1)
+    assert type(p.temperature) is float and type(p.top_k) is int and type(p.seed) is int
+    assert make_generator(p).initial_seed() == 2**64 - 1
+    with pytest.raises(ValueError, match="SamplingParams"):
+        make_generator({"seed": 1})
+
+
+def test_tiny_top_p_keeps_the_best_token():
+    # 1e-50 is a valid top_p but 0 in float32: the best token must survive anyway (as in transformers)
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(1))
+    kept = torch.isfinite(filter_logits(logits, SamplingParams(top_p=1e-50)))
+    assert kept.nonzero().flatten().tolist() == [logits.argmax().item()]
+    p = SamplingParams(top_p=1e-50, seed=0)
+    assert sample(logits, p, make_generator(p)).item() == logits.argmax().item()
+
+
+def test_huge_top_k_keeps_everything():
+    logits = torch.randn(V)
+    assert torch.isfinite(filter_logits(logits, SamplingParams(top_k=10**30))).all()
+
+
+SAMPLERS = {
+    "greedy": SamplingParams(temperature=0),
+    "greedy+penalty": SamplingParams(temperature=0, repetition_penalty=1.2),
+    "sampling": SamplingParams(temperature=0.8, top_p=0.9, seed=0),
+    "top_k": SamplingParams(top_k=5, seed=0),
+}
+POISON = {"nan": float("nan"), "+inf": float("inf")}
+
+
+@pytest.mark.parametrize("poison", sorted(POISON))
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+def test_non_finite_logits_raise_in_every_path(name, poison):
+    params = SAMPLERS[name]
+    logits = torch.randn(3, V)
+    logits[1, 17] = POISON[poison]
+    with pytest.raises(NonFiniteLogitsError, match=r"row\(s\) \[1\]"):
+        sample(logits, params, make_generator(params), prev_ids=[1, 2])
+    assert issubclass(NonFiniteLogitsError, ValueError)
+    fine = sample(logits[[0, 2]], params, make_generator(params), prev_ids=[1, 2])  # other rows: fine
+    assert fine.shape == (2,)
+
+
+def test_all_minus_inf_row_raises_and_check_false_skips():
+    logits = torch.randn(2, V)
+    logits[0] = float("-inf")
+    with pytest.raises(NonFiniteLogitsError, match=r"\[0\]"):
+        sample(logits, SamplingParams(temperature=0))
+    logits[0, 5] = 1.0  # one finite token is enough; -inf elsewhere is allowed
+    assert sample(logits, SamplingParams(temperature=0))[0].item() == 5
+    nan = torch.full((V,), float("nan"))
+    assert sample(nan, SamplingParams(temperature=0), check=False).shape == ()  # no check, no error
+
+
+@pytest.mark.parametrize("prev, shown", [
+    ([-1], "[-1]"), ([V], f"[{V}]"), ([3, V + 7], f"[{V + 7}]"), ([[1], [V]], f"[{V}]"),
+    (torch.tensor([[1, V + 2]]), f"[{V + 2}]"), (torch.tensor([-4]), "[-4]"),
+    (torch.tensor([1.0, 2.0]), "float32"), (torch.tensor([True]), "bool"), ([True], "[True]"),
+    ([1.5], "[1.5]"), ("12", "'12'"), (np.array([V]), f"[{V}]"),
 ])
-def test_bad_params_name_the_field(kw, field):
-    with pytest.raises(ValueError, match=field):
-        SamplingParams(**kw)
+@pytest.mark.parametrize("name", ["greedy", "greedy+penalty", "sampling"])
+def test_prev_ids_must_be_token_ids(name, prev, shown):
+    params = SAMPLERS[name]
+    per_row = isinstance(prev, list) and isinstance(prev[0], list)
+    logits = torch.randn(len(prev) if per_row else 1, V)
+    with pytest.raises(ValueError) as info:
+        sample(logits, params, make_generator(params), prev_ids=prev)
+    assert shown in str(info.value) and "prev_ids" in str(info.value)
+    if name != "greedy":
+        with pytest.raises(ValueError, match="prev_ids"):
+            filter_logits(logits, params, prev)
+
+
+@pytest.mark.parametrize("logits, shown", [
+    (torch.zeros(2, 3, V), "(2, 3, 200)"), (torch.zeros(V, dtype=torch.long), "(200,)"),
+    (torch.zeros(1, 0), "(1, 0)"), ([0.1, 0.2], "list"),
+])
+def test_bad_logits(logits, shown):
+    with pytest.raises(ValueError, match=re.escape(shown)):
+        sample(logits, SamplingParams())
+
+
+def test_params_must_be_sampling_params():
+    with pytest.raises(ValueError, match="dict"):
+        sample(torch.randn(V), {"temperature": 0})
 
 
 def test_stop_string_is_wrapped_in_a_list():
-    assert SamplingParams(stop="\n\n").stop == ["\n\n"]
+    assert SamplingParams(stop="\n\n").stop == ("\n\n",)
 
 
 def test_batch_size_mismatch():
