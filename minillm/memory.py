@@ -292,7 +292,7 @@ _CALCULATOR_JS = r"""
     out("kv_dtype", kvDtype);
     root.querySelectorAll("[data-gpu]").forEach((e) => {
       const capacity = BigInt(data.gpus[e.dataset.gpu]) << 20n;
-      e.textContent = total <= capacity ? "fits" : "does not fit";
+      e.textContent = total <= capacity ? "✓ fits" : "✗ does not fit";
     });
     out("message", context > BigInt(s.context) ? `Note: ${preset} was trained for at `
       + `most ${s.context.toLocaleString("en-US")} tokens per sequence.` : "");
@@ -343,6 +343,8 @@ def memory_calculator_html(cases: list[dict] = (), preset: str = "Llama-3.1-8B",
                    for g, mib in GPU_MEMORY_MIB.items())
     return f"""<div id="memory-calculator" style="border:1px solid #ccc;
 border-radius:6px;padding:0.6em 1em;max-width:44em">
+<style>#memory-calculator th, #memory-calculator td {{padding:0.1em 1em 0.1em 0;
+text-align:left}}</style>
 <label>model <select name="preset">{models}</select></label>
 <label>tokens per sequence <input name="context" type="number" min="1"
  max="{max_context}" step="1" value="{context}" style="width:7em"></label>
