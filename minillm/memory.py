@@ -331,6 +331,8 @@ def memory_calculator_html(cases: list[dict] = (), preset: str = "Llama-3.1-8B",
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r} is not a preset; allowed: {list(PRESETS)}")
     context, batch = _positive_int(context, "context"), _positive_int(batch, "batch")
+    max_context = _positive_int(max_context, "max_context")
+    max_batch = _positive_int(max_batch, "max_batch")
     data = {"presets": {name: _shape(cfg) for name, cfg in PRESETS.items()},
             "gpus": GPU_MEMORY_MIB, "dtype_bytes": DTYPE_BYTES,
             "max_context": max_context, "max_batch": max_batch}

@@ -2,6 +2,7 @@
 parameters of real models (minillm's and transformers'), and for clear errors."""
 import json
 import re
+from pathlib import Path
 from html.parser import HTMLParser
 
 import numpy as np
@@ -36,7 +37,8 @@ def test_kv_formula_by_hand():
     cfg = {"num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
            "hidden_size": 48}
     # 2 (K and V) * 3 layers * 2 kv heads * 8 head_dim * 5 tokens * 4 batch * 4 bytes
-    assert kv_cache_bytes(cfg, seq_len=5, batch_size=4, dtype="float32") == 2 * 3 * 2 * 8 * 5 * 4 * 4
+    expected = 2 * 3 * 2 * 8 * 5 * 4 * 4
+    assert kv_cache_bytes(cfg, seq_len=5, batch_size=4, dtype="float32") == expected
 
 
 def test_gqa_uses_kv_heads_not_query_heads():
@@ -322,3 +324,76 @@ def test_calculator_html_rejects_bad_defaults():
         memory_calculator_html(preset="GPT-5")
     with pytest.raises(ValueError, match="context"):
         memory_calculator_html(context=0)
+
+
+def _browser():
+    """Debian's Chromium driven by Playwright, or a skip naming what is missing."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    import shutil
+    path = shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(path).exists():
+        pytest.skip("no Chromium (apt-get install chromium); tests/browser needs it too")
+    return sync_api, path
+
+
+DRIVE = """cases => cases.map(([preset, dtype, context, batch]) => {
+  const root = document.getElementById("memory-calculator");
+  const set = (name, value) => {
+    const box = root.querySelector(`[name=${name}]`);
+    box.value = String(value);
+    box.dispatchEvent(new Event("input", {bubbles: true}));
+  };
+  set("preset", preset); set("dtype", dtype); set("context", context); set("batch", batch);
+  const text = (sel) => [...root.querySelectorAll(sel)].map((e) => e.textContent);
+  return [text("[data-out=weights_gib], [data-out=kv_gib], [data-out=total_gib]"),
+          text("[data-gpu]").map((t) => t === "✓ fits")];
+})"""
+
+
+def test_calculator_javascript_agrees_with_python(monkeypatch):
+    """The JavaScript in the page against memory_report + format_gib, on every preset and
+    dtype (plus two shapes the presets lack: Llama with biases, Qwen3), exact halves, the
+    largest inputs it accepts, and bad inputs (no number)."""
+    sync_api, chromium = _browser()
+    # shapes where a bias or a norm vector per layer moves the GiB's second decimal
+    big = dict(num_hidden_layers=200, vocab_size=1000, intermediate_size=1000,
+               max_position_embeddings=4096)
+    monkeypatch.setitem(PRESETS, "llama-bias", dict(
+        big, hidden_size=16384, num_attention_heads=128, num_key_value_heads=8,
+        head_dim=128, attention_bias=True))
+    monkeypatch.setitem(PRESETS, "qwen3", dict(
+        big, model_type="qwen3", hidden_size=1024, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32768))
+    cases = [(p, d, c, b) for p in PRESETS for d in DTYPE_BYTES
+             for c, b in [(1, 1), (1024, 1), (4096, 8), (2**20, 1024)]]
+    cases += [("Llama-3.1-8B", "float16", 1024, 1), ("Llama-2-7B", "int8", 3, 7)]
+    expected = []
+    for preset, dtype, context, batch in cases:
+        r = memory_report(preset, dtype, context, batch)
+        expected.append([[format_gib(r[k]) for k in ("weights_bytes", "kv_cache_bytes",
+                                                      "total_bytes")],
+                         [memory_report(preset, dtype, context, batch, g)["fits"]
+                          for g in GPU_MEMORY_MIB]])
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium,
+                                    args=["--no-sandbox", "--headless"])
+        page = browser.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.set_content(memory_calculator_html())
+        shown = page.evaluate(DRIVE, [list(c) for c in cases])
+        calc = page.locator("#memory-calculator")  # and once through real key presses
+        calc.locator("select[name=preset]").select_option("SmolLM2-135M")
+        calc.locator("select[name=dtype]").select_option("float16")
+        calc.locator("input[name=context]").fill("8192")
+        calc.locator("input[name=batch]").fill("1")
+        by_hand = calc.locator("[data-out=total_gib]").text_content()
+        calc.locator("input[name=batch]").fill("0")
+        bad = calc.locator("[data-out=total_gib]").text_content()
+        message = calc.locator("[data-out=message]").text_content()
+        browser.close()
+    wrong = [f"{c}: page {s}, Python {e}" for c, s, e in zip(cases, shown, expected)
+             if s != e]
+    assert not wrong, "\n".join(wrong)
+    assert by_hand == format_gib(memory_report("SmolLM2-135M", "float16", 8192)["total_bytes"])
+    assert bad == "–" and "batch" in message and not errors

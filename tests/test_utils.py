@@ -60,9 +60,16 @@ def test_devices_this_machine_lacks_are_a_clear_error(machine, prefer, gpus, mps
     assert "allowed" in str(error.value) or "use 'cpu'" in str(error.value)
 
 
-def test_synchronize_on_cpu_returns():
+def test_synchronize_waits_for_the_device_it_is_given(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append("mps"))
     synchronize("cpu")
     synchronize(torch.device("cpu"))
+    assert calls == []  # nothing to wait for: CPU work is done when the call returns
+    synchronize("cuda:1")
+    synchronize(torch.device("mps"))
+    assert calls == ["cuda:1", "mps"]
 
 
 def test_bundled_model_is_found():
