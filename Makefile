@@ -4,12 +4,20 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
+LAB_STAMP := $(VENV)/.lab-installed
 NBVAL_TIMEOUT ?= 600
+# A CPU-only machine can skip PyTorch's CUDA download (several GB) with PyTorch's CPU index:
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+# The website shows no progress bars (Jupyter still does): tqdm reads TQDM_DISABLE.
+BOOK_ENV := TQDM_DISABLE=1
+JB      := $(BOOK_ENV) $(VENV)/bin/jupyter-book
 
-.PHONY: help install export clean-notebooks test unit nbval book book-strict model bench clean setup-cells figures
+.PHONY: help install export clean-notebooks test unit nbval site browser colab book \
+	book-strict lab figures model bench clean setup-cells
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -17,11 +25,19 @@ help:  ## list the targets
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	$(if $(TORCH_INDEX),$(PIP) install -q -c constraints.txt torch --index-url $(TORCH_INDEX))
 	$(PIP) install -q -c constraints.txt -e ".[book,test]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install minillm with the book and test extras
+
+$(LAB_STAMP): $(STAMP)
+	$(PIP) install -q -c constraints.txt -e ".[book,test,lab]"
+	touch $(LAB_STAMP)
+
+lab: $(LAB_STAMP)  ## open the chapter notebooks in JupyterLab (installs it into .venv once)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/chapters
 
 export: $(STAMP)  ## notebooks -> minillm/ (nbdev export)
 	$(PY) tools/export.py
@@ -29,24 +45,38 @@ export: $(STAMP)  ## notebooks -> minillm/ (nbdev export)
 clean-notebooks: $(STAMP)  ## strip outputs and execution counts from chapters/*.ipynb
 	$(PY) tools/clean_notebooks.py
 
-unit: $(STAMP)  ## pytest: unit tests, export-in-sync and clean-notebook checks
+unit: $(STAMP)  ## pytest: unit tests, package-in-sync, lint and repository checks
 	$(PY) -m pytest -q tests
 
 nbval: $(STAMP)  ## run every chapter notebook top to bottom (nbval, lax)
 	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=$(NBVAL_TIMEOUT) -p no:randomly chapters
 
-book-strict: $(STAMP)  ## strict website build (-W -n), notebooks not executed again
-	@mkdir -p _build
-	sed -e 's/execute_notebooks: *force/execute_notebooks: "off"/' _config.yml > _build/_config_noexec.yml
-	$(VENV)/bin/jupyter-book build . --config _build/_config_noexec.yml --path-output _build/strict -W -n --keep-going --all -q
+site: $(STAMP)  ## strict website build (-W -n) with every chapter executed, into _build/html
+	$(JB) build . --all -W -n --keep-going -q
+	@ls _build/html/_images/*.png >/dev/null 2>&1 || { echo "no figures in the book: is MPLBACKEND set to a non-inline backend?"; exit 1; }
 
-test: unit nbval book-strict  ## the whole suite (what CI runs)
+browser: $(STAMP)  ## open every page of the built site (make site) in headless Chromium
+	$(PY) -m pytest -q -m browser -p no:randomly tests/browser
+
+colab: $(STAMP)  ## the Colab path: fresh venv with torch only, the setup cell's install, chapter 0
+	$(PY) -m pytest -q -m colab -p no:randomly tests/test_colab.py
+
+test: unit nbval site browser colab  ## the whole suite (what CI runs)
 	@echo "make test: all green"
 
 book: export  ## build the website with every chapter executed
-	$(VENV)/bin/jupyter-book build . --all
+	$(JB) build . --all
 	@ls _build/html/_images/*.png >/dev/null 2>&1 || { echo "no figures in the book: is MPLBACKEND set to a non-inline backend?"; exit 1; }
 	@echo "The book is at: $(CURDIR)/_build/html/index.html"
+
+book-strict: $(STAMP)  ## quick strict website build (-W -n) without executing the notebooks
+	@mkdir -p _build
+	sed -e 's/execute_notebooks: *force/execute_notebooks: "off"/' \
+	    -e 's|minillm_sphinx: book/_ext|minillm_sphinx: $(CURDIR)/book/_ext|' _config.yml > _build/_config_noexec.yml
+	$(JB) build . --config _build/_config_noexec.yml --path-output _build/strict -W -n --keep-going --all -q
+
+figures: $(STAMP)  ## redraw the "you are here" maps book/figures/engine_map_0N.svg
+	$(PY) tools/engine_map.py
 
 model: $(STAMP)  ## re-train the bundled tiny Shakespeare model into data/tiny-shakespeare
 	$(PY) data/make_tiny_model.py
@@ -60,6 +90,3 @@ clean:  ## remove build output (keeps .venv)
 
 setup-cells: $(STAMP)  ## write the repository URL from _config.yml into every chapter's setup cell
 	$(PY) tools/setup_cell.py
-
-figures: $(STAMP)  ## redraw the "you are here" maps book/figures/engine_map_0N.svg
-	$(PY) tools/engine_map.py

@@ -131,3 +131,22 @@ def test_package_has_no_undefined_or_unused_names():
                              "--output-format", "concise", "--no-cache", "minillm"],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def markdown(path: Path) -> str:
+    return "\n".join("".join(c["source"]) for c in load(path)["cells"] if c["cell_type"] == "markdown")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_chapter_shows_its_engine_map(path):
+    figure = f"../book/figures/engine_map_{path.name[:2]}.svg"
+    assert f"]({figure})" in markdown(path), \
+        f"{path.name}: no 'you are here' map; add ![Where this chapter sits in the engine]({figure})"
+    assert (path.parent / figure).resolve().is_file(), f"{figure} is missing: run `make figures`"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_chapter_has_exercises_and_a_summary(path):
+    text = markdown(path)
+    assert re.search(r"^## Exercises\s*$", text, re.M), f"{path.name}: no `## Exercises` section"
+    assert re.search(r"^## .*Summary", text, re.M | re.I), f"{path.name}: no summary section"
