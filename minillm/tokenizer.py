@@ -15,21 +15,23 @@ import regex
 from tqdm.auto import tqdm
 
 # %% auto #0
-__all__ = ['LLAMA3_PATTERN', 'QWEN2_PATTERN', 'GPT2_PATTERN', 'BYTE_TO_CHAR', 'CHAR_TO_BYTE', 'split_isolated',
-           'bytes_to_unicode', 'to_byte_chars', 'from_byte_chars', 'merge_pair', 'learn_merges', 'Tokenizer',
-           'IncrementalDecoder']
+__all__ = ['LLAMA3_PATTERN', 'QWEN2_PATTERN', 'GPT2_PATTERN', 'BYTE_TO_CHAR', 'CHAR_TO_BYTE', 'SPACE_MARK', 'BYTE_LEVEL_DECODER',
+           'split_isolated', 'bytes_to_unicode', 'to_byte_chars', 'from_byte_chars', 'merge_pair', 'learn_merges',
+           'TokenizerFileError', 'Tokenizer', 'IncrementalDecoder']
 
 # %% ../chapters/01_tokenizer.ipynb #c012
 # Pre-tokenizer regexes. Each match is one "pre-token"; BPE never merges across them.
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")   # one digit per pre-token
-GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Qwen2: the same, but one digit per pre-token
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+GPT2_PATTERN = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"
+                r"|\s+(?!\S)|\s+")
 
 # %% ../chapters/01_tokenizer.ipynb #c013
 def split_isolated(text: str, pattern: regex.Pattern) -> list[str]:
-    """Cut `text` into the pattern's matches, keeping any text between matches as pieces too
-    (what Hugging Face calls the "Isolated" split behaviour)."""
+    """Cut `text` into the pattern's matches, keeping any text between matches as
+    pieces too (what Hugging Face calls the "Isolated" split behaviour)."""
     pieces, pos = [], 0
     for m in pattern.finditer(text):
         if m.start() > pos:
@@ -46,7 +48,8 @@ def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's table that gives each of the 256 byte values a printable character.
     Printable bytes keep their own character; the others (space, control bytes, ...)
     are shifted to code points 256 and above. The space byte becomes 'Ġ'."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
     table, shifted = {}, 0
     for b in range(256):
         if b in keep:
@@ -60,7 +63,7 @@ BYTE_TO_CHAR = bytes_to_unicode()
 CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
 
 def to_byte_chars(data: bytes) -> str:
-    "bytes -> the printable string Hugging Face files store tokens in ('Ġthe' for b' the')."
+    "bytes -> the printable string of Hugging Face files ('Ġthe' for b' the')."
     return "".join(BYTE_TO_CHAR[b] for b in data)
 
 def from_byte_chars(token: str) -> bytes:
@@ -69,7 +72,7 @@ def from_byte_chars(token: str) -> bytes:
 
 # %% ../chapters/01_tokenizer.ipynb #c019
 def merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
-    "Replace every non-overlapping occurrence of `pair` in `ids` (left to right) by `new_id`."
+    "Replace each non-overlapping `pair` in `ids` (left to right) by `new_id`."
     out, i, n = [], 0, len(ids)
     while i < n:
         if i < n - 1 and ids[i] == pair[0] and ids[i + 1] == pair[1]:
@@ -100,7 +103,8 @@ def learn_merges(word_counts: dict[bytes, int], num_merges: int, first_id: int =
     heap = [(-c, pair) for pair, c in pair_counts.items()]
     heapq.heapify(heap)
     merges: list[tuple[int, int]] = []
-    for new_id in tqdm(range(first_id, first_id + num_merges), desc="BPE merges", disable=not progress):
+    new_ids = range(first_id, first_id + num_merges)
+    for new_id in tqdm(new_ids, desc="BPE merges", disable=not progress):
         while heap:  # pop until we find an entry whose count is still current
             neg_count, pair = heapq.heappop(heap)
             if pair_counts.get(pair, 0) == -neg_count:
@@ -130,6 +134,17 @@ def learn_merges(word_counts: dict[bytes, int], num_merges: int, first_id: int =
     return merges
 
 # %% ../chapters/01_tokenizer.ipynb #c023
+SPACE_MARK = "\u2581"   # '▁': how SentencePiece-style vocabularies write a space
+
+
+BYTE_LEVEL_DECODER = {"type": "ByteLevel", "add_prefix_space": True,
+                      "trim_offsets": True, "use_regex": True}
+
+
+class TokenizerFileError(ValueError):
+    "A tokenizer.json/tokenizer_config.json that is broken or needs a feature we lack."
+
+
 def _token_content(value) -> str | None:
     "tokenizer_config.json writes a special token as a string or as {'content': ...}."
     if isinstance(value, dict):
@@ -138,7 +153,8 @@ def _token_content(value) -> str | None:
 
 
 def _vocab_token_bytes(token: str) -> bytes:
-    "A vocabulary token's bytes; a token outside the byte alphabet (rare) stands for its own text."
+    """A byte-level token's bytes, as Hugging Face's ByteLevel decoder reads it: a
+    token made only of byte characters is those bytes, any other its UTF-8 text."""
     try:
         return from_byte_chars(token)
     except KeyError:
@@ -146,157 +162,382 @@ def _vocab_token_bytes(token: str) -> bytes:
 
 
 class Tokenizer:
-    """A byte-level BPE tokenizer (the GPT-2 / Llama 3 / Qwen2 kind).
+    """A BPE tokenizer: byte-level (GPT-2, Llama 3, Qwen2) or SentencePiece-style with
+    byte fallback (Llama 2, Mistral, TinyLlama).
 
-    vocab:    token (in byte-character form, e.g. 'Ġthe') -> id
+    vocab:    token -> id ('Ġthe' in byte-level files, '▁the' in SentencePiece-style)
     merges:   ranked pairs of tokens; a lower rank merges first
-    special:  special/added token text -> id (matched in the raw text before anything else)
-    """
+    special:  special token text -> id (matched in the raw text before anything else)
+    added:    other "added tokens" -> id: matched like special tokens, but kept by
+              decode(skip_special_tokens=True)
+    The other keyword arguments are the steps of tokenizer.json, as the file writes them
+    (see `from_pretrained`); the defaults make the byte-level tokenizer of `train`."""
 
     def __init__(self, vocab: dict[str, int], merges: Sequence[tuple[str, str]],
-                 special: dict[str, int] | None = None, patterns: Sequence[str] = (LLAMA3_PATTERN,),
-                 bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None,
-                 prefix_tokens: Sequence[str] | None = None, suffix_tokens: Sequence[str] = (),
-                 nfc: bool = False, add_prefix_space: bool = False, ignore_merges: bool = False,
+                 special: dict[str, int] | None = None,
+                 patterns: Sequence[str] = (LLAMA3_PATTERN,),
+                 bos_token: str | None = None, eos_token: str | None = None,
+                 pad_token: str | None = None,
+                 prefix_tokens: Sequence[str] | None = None,
+                 suffix_tokens: Sequence[str] = (), *,
+                 added: dict[str, int] | None = None,
+                 normalized_added: Iterable[str] = (),
+                 normalizers: Sequence[dict] = (),
+                 pre_tokenizers: Sequence[dict] | None = None,
+                 decoders: Sequence[dict] = (BYTE_LEVEL_DECODER,),
+                 byte_fallback: bool = False, unk_token: str | None = None,
+                 fuse_unk: bool = False, ignore_merges: bool = False,
                  model_max_length: int | None = None):
         self.vocab = dict(vocab)
         self.merges = [tuple(m) for m in merges]
         self.special = dict(special or {})
-        self.patterns = list(patterns)
-        self.nfc, self.add_prefix_space, self.ignore_merges = nfc, add_prefix_space, ignore_merges
+        self.added = dict(added or {})
+        self.normalized_added = set(normalized_added)
+        self.normalizers = [dict(s) for s in normalizers]
+        if pre_tokenizers is None:   # byte-level: the regex splits, then bytes -> chars
+            pre_tokenizers = [{"type": "Split", "pattern": {"Regex": p},
+                               "behavior": "Isolated", "invert": False}
+                              for p in patterns]
+            pre_tokenizers.append({"type": "ByteLevel", "add_prefix_space": False,
+                                   "trim_offsets": False, "use_regex": False})
+        self.pre_tokenizers = [dict(s) for s in pre_tokenizers]
+        self.decoders = [dict(s) for s in decoders]
+        self.byte_fallback, self.unk_token = byte_fallback, unk_token
+        self.fuse_unk, self.ignore_merges = fuse_unk, ignore_merges
         self.model_max_length = model_max_length
-        for name in (bos_token, eos_token, pad_token, *(prefix_tokens or ()), *suffix_tokens):
+        for name in (bos_token, eos_token, pad_token, *(prefix_tokens or ()),
+                     *suffix_tokens):
             if name is not None and name not in self.special:
-                raise ValueError(f"special token {name!r} is not one of the special tokens {sorted(self.special)}")
+                raise ValueError(f"special token {name!r} is not one of the special "
+                                 f"tokens {sorted(self.special)}")
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
-        # What encode(..., add_special_tokens=True) puts around the text: BOS by default.
-        self.prefix_tokens = list(prefix_tokens) if prefix_tokens is not None else ([bos_token] if bos_token else [])
+        # What encode(text, add_special_tokens=True) puts around the text (BOS).
+        if prefix_tokens is None:
+            prefix_tokens = [bos_token] if bos_token else []
+        self.prefix_tokens = list(prefix_tokens)
         self.suffix_tokens = list(suffix_tokens)
         self._build()
 
-    def _build(self) -> None:
-        "Derived tables for fast encode/decode."
-        self._compiled = [regex.compile(p) for p in self.patterns]
-        self._id_to_token = {i: t for t, i in self.vocab.items()}
-        self._id_to_token.update({i: t for t, i in self.special.items()})
-        self._id_to_bytes = {i: _vocab_token_bytes(t) for t, i in self.vocab.items()}
-        self._id_to_bytes.update({i: t.encode("utf-8") for t, i in self.special.items()})
-        self._size = max(self._id_to_token) + 1
-        self._special_ids = set(self.special.values())
-        self._byte_ids = [self.vocab.get(BYTE_TO_CHAR[b]) for b in range(256)]
-        # (left id, right id) -> (rank, id of the merged token)
-        self._ranks = {(self.vocab[a], self.vocab[b]): (rank, self.vocab[a + b])
-                       for rank, (a, b) in enumerate(self.merges)}
-        names = sorted(self.special, key=len, reverse=True)  # longest first: '<|a|>x' before '<|a|>'
-        self._special_re = regex.compile("(" + "|".join(map(regex.escape, names)) + ")") if names else None
-        self._cache: dict[str, list[int]] = {}
-
-    # ---- ids of the special tokens ------------------------------------------------------
-    def special_token_id(self, name: str) -> int:
-        "The id of a special token, by its text (e.g. '<|bos|>')."
-        if name not in self.special:
-            raise ValueError(f"unknown special token {name!r}; this tokenizer has {sorted(self.special)}")
-        return self.special[name]
-
     @property
-    def bos_token_id(self) -> int | None:
-        return self.special[self.bos_token] if self.bos_token else None
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.special[self.eos_token] if self.eos_token else None
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self.special[self.pad_token] if self.pad_token else None
-
-    @property
-    def vocab_size(self) -> int:
-        "Number of ids, special tokens included (the embedding table needs this many rows)."
-        return self._size
+    def byte_level(self) -> bool:
+        "True for GPT-2-style tokenizers: BPE runs on bytes written as characters."
+        return any(s["type"] == "ByteLevel" for s in self.pre_tokenizers)
 
     def __len__(self) -> int:
-        return self._size
+        return self.vocab_size
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
-                f"special={list(self.special)}, bos={self.bos_token!r}, eos={self.eos_token!r})")
+        kind = "byte-level" if self.byte_level else "byte-fallback"
+        return (f"Tokenizer({kind}, vocab_size={self.vocab_size}, "
+                f"merges={len(self.merges)}, special={list(self.special)}, "
+                f"bos={self.bos_token!r}, eos={self.eos_token!r})")
+
+# %% ../chapters/01_tokenizer.ipynb #c023b
+_BYTE_TOKEN = regex.compile(r"<0x([0-9A-Fa-f]{2})>")   # byte-fallback tokens: '<0x0A>'
+
+
+def _added_tokens_regex(names: Iterable[str]) -> regex.Pattern | None:
+    "One regex for many literal tokens; longest first, so '<|a|>x' wins over '<|a|>'."
+    names = sorted(set(names), key=len, reverse=True)
+    if not names:
+        return None
+    return regex.compile("|".join(map(regex.escape, names)))
+
+
+def _build(self) -> None:
+    "Check the tables, and derive the ones that encode and decode use."
+    tokens = {**self.vocab, **self.added, **self.special}
+    for name, i in tokens.items():
+        if not isinstance(name, str) or isinstance(i, bool) or not isinstance(i, int) \
+                or i < 0:
+            raise ValueError(f"token {name!r} has id {i!r}; ids must be ints >= 0")
+    self._id_to_token = {i: t for t, i in self.vocab.items()}
+    self._id_to_token.update({i: t for t, i in {**self.added, **self.special}.items()})
+    self._size = max(self._id_to_token, default=-1) + 1
+    self._special_ids = set(self.special.values())
+    # (left id, right id) -> (rank, id of the merged token)
+    self._ranks = {}
+    for rank, pair in enumerate(self.merges):
+        if len(pair) != 2 or not all(isinstance(t, str) for t in pair):
+            raise ValueError(f"merge #{rank} {pair!r} is not a pair of tokens")
+        a, b = pair
+        for t in (a, b, a + b):
+            if t not in self.vocab:
+                raise ValueError(f"merge #{rank} {a!r} + {b!r}: {t!r} is not in the "
+                                 "vocabulary")
+        self._ranks[self.vocab[a], self.vocab[b]] = (rank, self.vocab[a + b])
+    if self.unk_token is not None and self.unk_token not in self.vocab:
+        raise ValueError(f"unk_token {self.unk_token!r} is not in the vocabulary")
+    self._unk_id = self.vocab.get(self.unk_token)
+    self._byte_token_ids = [self.vocab.get(f"<0x{b:02X}>") for b in range(256)]
+    self._decode_steps = _read_decoders(self.decoders)
+    self._pieces = {i: self._decode_piece(t) for i, t in self._id_to_token.items()}
+    self._compiled = {k: regex.compile(s["pattern"].get("Regex")
+                                       or regex.escape(s["pattern"]["String"]))
+                      for k, s in enumerate(self.pre_tokenizers)
+                      if s["type"] == "Split"}
+    raw = [t for t in {**self.special, **self.added} if t not in self.normalized_added]
+    self._added_re = _added_tokens_regex(raw)
+    self._added_only_re = _added_tokens_regex(t for t in raw if t not in self.special)
+    self._normalized_tokens = {self.normalize(t): t for t in self.normalized_added}
+    self._normalized_re = _added_tokens_regex(self._normalized_tokens)
+    self._cache: dict[str, list[int]] = {}
+
+
+def _special_token_id(self, name: str) -> int:
+    "The id of a special token, by its text (e.g. '<|bos|>')."
+    if name not in self.special:
+        raise ValueError(f"unknown special token {name!r}; this tokenizer has "
+                         f"{sorted(self.special)}")
+    return self.special[name]
+
+
+Tokenizer._build = _build
+Tokenizer.special_token_id = _special_token_id
+Tokenizer.bos_token_id = property(lambda self: self.special.get(self.bos_token))
+Tokenizer.eos_token_id = property(lambda self: self.special.get(self.eos_token))
+Tokenizer.pad_token_id = property(lambda self: self.special.get(self.pad_token))
+Tokenizer.vocab_size = property(
+    lambda self: self._size,
+    doc="Number of ids, special tokens included (the embedding table needs this many).")
 
 # %% ../chapters/01_tokenizer.ipynb #c025
 def _bpe(self, ids: list[int]) -> list[int]:
-    "Apply the merges to one pre-token: always the lowest-ranked pair present, until none is left."
-    ranks = self._ranks
-    while len(ids) > 1:
-        best = None
-        for pair in zip(ids, ids[1:]):
-            r = ranks.get(pair)
-            if r is not None and (best is None or r[0] < best[0]):
-                best, best_pair = r, pair
-        if best is None:
-            break
-        ids = merge_pair(ids, best_pair, best[1])
-    return ids
+    """Apply the merges to one word: always the lowest-ranked pair present (the leftmost
+    one on a tie), until no pair of neighbours has a merge.
+
+    The word is a linked list (`nxt` / `prev` hold each symbol's neighbours; a symbol
+    merged away gets id -1), and a heap holds (rank, position, new id) for every pair
+    that has a merge. A merge changes only its two neighbouring pairs, so a word of n
+    symbols costs O(n log n), however long it is."""
+    if len(ids) < 2:
+        return ids
+    ranks, ids, n = self._ranks, list(ids), len(ids)
+    nxt, prev = list(range(1, n + 1)), list(range(-1, n - 1))
+    nxt[-1] = -1
+    heap = []                             # (rank, position of the left symbol, new id)
+    for i in range(n - 1):
+        if (ids[i], ids[i + 1]) in ranks:
+            rank, new = ranks[ids[i], ids[i + 1]]
+            heap.append((rank, i, new))
+    heapq.heapify(heap)
+    while heap:
+        rank, i, new = heapq.heappop(heap)
+        j = nxt[i]
+        if ids[i] < 0 or j < 0 or ranks.get((ids[i], ids[j])) != (rank, new):
+            continue                      # stale: this pair changed since it was pushed
+        ids[i], ids[j] = new, -1          # i becomes the merged token, j leaves
+        nxt[i] = nxt[j]
+        if nxt[i] >= 0:
+            prev[nxt[i]] = i
+        for left in (prev[i], i):         # the two pairs that now touch the new token
+            right = nxt[left] if left >= 0 else -1
+            if right >= 0 and (ids[left], ids[right]) in ranks:
+                rank2, new2 = ranks[ids[left], ids[right]]
+                heapq.heappush(heap, (rank2, left, new2))
+    return [t for t in ids if t >= 0]
+
+# %% ../chapters/01_tokenizer.ipynb #c025b
+def _symbols(self, word: str) -> list[int]:
+    """A word's starting symbols: one token per character when the vocabulary has it;
+    otherwise its UTF-8 bytes as '<0x..>' tokens (byte fallback), otherwise <unk>."""
+    out, unk = [], False    # unk: an <unk> waiting to be written (fuse_unk joins them)
+    for ch in word:
+        i = self.vocab.get(ch)
+        if i is not None:
+            if unk:
+                out.append(self._unk_id)
+                unk = False
+            out.append(i)
+            continue
+        if self.byte_fallback:
+            byte_ids = [self._byte_token_ids[b] for b in ch.encode("utf-8")]
+            if None not in byte_ids:
+                out.extend(byte_ids)
+                continue
+        if self._unk_id is None:
+            raise ValueError(f"character {ch!r} has no token in this vocabulary "
+                             "and the tokenizer has no unk_token")
+        if unk and not self.fuse_unk:
+            out.append(self._unk_id)
+        unk = True
+    if unk:
+        out.append(self._unk_id)
+    return out
 
 
-def _encode_piece(self, piece: str) -> list[int]:
+def _encode_word(self, word: str) -> list[int]:
     "One pre-token -> ids, cached: the same words come back again and again."
-    ids = self._cache.get(piece)
+    ids = self._cache.get(word)
     if ids is None:
-        data = piece.encode("utf-8")
-        whole = self.vocab.get(to_byte_chars(data)) if self.ignore_merges else None
-        if whole is not None:
-            ids = [whole]
+        if self.ignore_merges and word in self.vocab:
+            ids = [self.vocab[word]]   # Llama 3: a word in the vocabulary: one token
         else:
-            ids = [self._byte_ids[b] for b in data]
-            if None in ids:
-                missing = sorted({b for b in data if self._byte_ids[b] is None})
-                raise ValueError(f"bytes {missing} of {piece!r} have no token in this vocabulary")
-            ids = self._bpe(ids)
-        if len(self._cache) < 200_000:
-            self._cache[piece] = ids
-    return ids
-
-
-def _pretokenize(self, text: str) -> list[str]:
-    "Ordinary text (no special tokens) -> pre-tokens, the way the tokenizer.json says."
-    if self.nfc:
-        text = unicodedata.normalize("NFC", text)
-    if self.add_prefix_space and text and not text.startswith(" "):
-        text = " " + text
-    pieces = [text] if text else []
-    for pattern in self._compiled:
-        pieces = [p for piece in pieces for p in split_isolated(piece, pattern)]
-    return pieces
-
-
-def _encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
-    """Text -> token ids.
-
-    add_special_tokens: put BOS (and whatever else the tokenizer's template says) around the text.
-    parse_special: special tokens written in the text (e.g. '<|eos|>') become their ids,
-                   as Hugging Face does; with False they are encoded as ordinary text."""
-    if not isinstance(text, str):
-        raise TypeError(f"encode() needs a str, got {type(text).__name__}")
-    parts = self._special_re.split(text) if (parse_special and self._special_re) else [text]
-    ids: list[int] = []
-    for i, part in enumerate(parts):
-        if i % 2 == 1:                       # a captured special token
-            ids.append(self.special[part])
-        elif part:
-            for piece in self.pretokenize(part):
-                ids.extend(self._encode_piece(piece))
-    if add_special_tokens:
-        ids = [self.special[t] for t in self.prefix_tokens] + ids + [self.special[t] for t in self.suffix_tokens]
+            ids = self._bpe(self._symbols(word))
+        if len(word) <= 256 and len(self._cache) < 100_000:   # short words only
+            self._cache[word] = ids
     return ids
 
 Tokenizer._bpe = _bpe
-Tokenizer._encode_piece = _encode_piece
+Tokenizer._symbols = _symbols
+Tokenizer._encode_word = _encode_word
+
+# %% ../chapters/01_tokenizer.ipynb #c025c
+def _normalize(self, text: str) -> str:
+    "The normalizer steps of tokenizer.json, in order."
+    for step in self.normalizers:
+        kind = step["type"]
+        if kind == "NFC":
+            text = unicodedata.normalize("NFC", text)
+        elif kind == "Prepend" and text:
+            text = step["prepend"] + text
+        elif kind == "Replace":
+            text = text.replace(step["pattern"]["String"], step["content"])
+    return text
+
+
+def _metaspace(step: dict, pieces: list[str], at_start: bool) -> list[str]:
+    "SentencePiece's spaces: ' ' -> '▁', one '▁' in front, maybe a cut before each."
+    mark, scheme = step["replacement"], step.get("prepend_scheme", "always")
+    out = []
+    for k, piece in enumerate(pieces):
+        piece = piece.replace(" ", mark)
+        first = at_start and k == 0
+        wanted = scheme == "always" or (scheme == "first" and first)
+        if wanted and not piece.startswith(mark):
+            piece = mark + piece
+        if step.get("split", True):   # '▁a▁▁b' -> '▁a', '▁', '▁b'
+            m = regex.escape(mark)
+            out.extend(regex.findall(f"{m}[^{m}]*|[^{m}]+", piece))
+        else:
+            out.append(piece)
+    return out
+
+
+def _pretokenize(self, text: str, at_start: bool = True) -> list[str]:
+    """Normalized text -> words for BPE, in the vocabulary's alphabet ('Ġthe' or
+    '▁the').
+    `at_start`: the text begins the input (Metaspace's prepend_scheme='first')."""
+    pieces = [text] if text else []
+    for k, step in enumerate(self.pre_tokenizers):
+        kind = step["type"]
+        if kind == "Split":
+            pattern = self._compiled[k]
+            pieces = [p for piece in pieces for p in split_isolated(piece, pattern)]
+        elif kind == "Metaspace":
+            pieces = _metaspace(step, pieces, at_start)
+        elif kind == "ByteLevel":
+            if step.get("add_prefix_space", True):
+                pieces = [p if p.startswith(" ") else " " + p for p in pieces]
+            if step.get("use_regex", True):
+                pattern = regex.compile(GPT2_PATTERN)
+                pieces = [p for piece in pieces for p in split_isolated(piece, pattern)]
+            pieces = [to_byte_chars(p.encode("utf-8")) for p in pieces]
+    return pieces
+
+Tokenizer.normalize = _normalize
 Tokenizer.pretokenize = _pretokenize
+
+# %% ../chapters/01_tokenizer.ipynb #c025d
+def _split_on(text: str, pattern: regex.Pattern | None) -> list[tuple[int, str, bool]]:
+    "Cut text at the matches of `pattern` -> [(start, piece, is_a_match)], none empty."
+    if pattern is None:
+        return [(0, text, False)] if text else []
+    out, pos = [], 0
+    for m in pattern.finditer(text):
+        if m.start() > pos:
+            out.append((pos, text[pos:m.start()], False))
+        out.append((m.start(), m.group(), True))
+        pos = m.end()
+    if pos < len(text):
+        out.append((pos, text[pos:], False))
+    return out
+
+
+def _encode(self, text: str, add_special_tokens: bool = True,
+            parse_special: bool = True) -> list[int]:
+    """Text -> token ids.
+
+    add_special_tokens: put BOS (and whatever else the tokenizer's template says) around
+                        the text.
+    parse_special: special tokens written in the text (e.g. '<|eos|>') become their
+                   ids, as Hugging Face does; with False they are ordinary text."""
+    if not isinstance(text, str):
+        raise TypeError(f"encode() needs a str, got {type(text).__name__}")
+    tokens = {**self.added, **self.special}
+    ids: list[int] = []
+    added_re = self._added_re if parse_special else self._added_only_re
+    for start, part, is_token in _split_on(text, added_re):        # 1. added tokens
+        if is_token:
+            ids.append(tokens[part])
+            continue
+        normalized = self.normalize(part)                           # 2. normalizer
+        for start2, piece, is_token2 in _split_on(normalized, self._normalized_re):
+            if is_token2:                         # an added token with normalized=True
+                name = self._normalized_tokens[piece]
+                if parse_special or name not in self.special:
+                    ids.append(tokens[name])
+                    continue
+            at_start = start == 0 and start2 == 0
+            for word in self.pretokenize(piece, at_start):          # 3. pre-tokenizer
+                ids.extend(self._encode_word(word))                 # 4. BPE
+    if add_special_tokens:
+        ids = ([self.special[t] for t in self.prefix_tokens] + ids
+               + [self.special[t] for t in self.suffix_tokens])
+    return ids
+
 Tokenizer.encode = _encode
 
 # %% ../chapters/01_tokenizer.ipynb #c027
+def _read_decoders(steps: Sequence[dict]) -> dict:
+    """The decoder steps we implement -> what `decode` must do. Two shapes exist:
+    byte-level ([ByteLevel]) and SentencePiece-style ([Replace '▁' -> ' ',
+    ByteFallback, Fuse, Strip] or [Metaspace])."""
+    kinds = [s["type"] for s in steps]
+    if kinds == ["ByteLevel"]:
+        return {"byte_level": True}
+    how = {"byte_level": False, "space_mark": None, "byte_tokens": False, "strip": 0,
+           "first_token_drops_mark": False}
+    allowed = [["Replace", "ByteFallback", "Fuse", "Strip"], ["Replace", "ByteFallback",
+               "Fuse"], ["Metaspace"], ["ByteFallback", "Metaspace"]]
+    if kinds not in allowed:
+        raise ValueError(f"decoder steps {kinds} are not supported; supported: "
+                         f"['ByteLevel'] or one of {allowed}")
+    for s in steps:
+        if s["type"] == "Replace":
+            if s["content"] != " " or len(s["pattern"].get("String") or "") != 1:
+                raise ValueError(f"decoder step {s} is not supported: only Replace of "
+                                 "one character by ' '")
+            how["space_mark"] = s["pattern"]["String"]
+        elif s["type"] == "ByteFallback":
+            how["byte_tokens"] = True
+        elif s["type"] == "Strip":
+            if s.get("content") != " " or s.get("stop", 0) != 0:
+                raise ValueError(f"decoder step {s} is not supported: only Strip of "
+                                 "leading ' '")
+            how["strip"] = int(s.get("start", 0))
+        elif s["type"] == "Metaspace":
+            how["space_mark"] = s["replacement"]
+            how["first_token_drops_mark"] = s.get("prepend_scheme", "always") != "never"
+    return how
+
+
+def _decode_piece(self, token: str) -> bytes | int | str:
+    """What one token gives when decoding: bytes (byte-level), one byte value
+    (a '<0x..>' byte-fallback token) or text (SentencePiece-style, '▁' made ' ')."""
+    how = self._decode_steps
+    if how["byte_level"]:
+        return _vocab_token_bytes(token)
+    m = _BYTE_TOKEN.fullmatch(token)
+    if how["byte_tokens"] and m:
+        return int(m.group(1), 16)
+    return token.replace(how["space_mark"], " ") if how["space_mark"] else token
+
+Tokenizer._decode_piece = _decode_piece
+
+# %% ../chapters/01_tokenizer.ipynb #c027b
 def _check_ids(self, ids) -> list[int]:
-    "Validate ids before decoding: ints (Python, NumPy or 0-d tensors) in [0, vocab_size)."
+    "Check ids before decoding: ints (Python, NumPy, 0-d tensors) in [0, vocab_size)."
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
@@ -304,67 +545,113 @@ def _check_ids(self, ids) -> list[int]:
     checked = []
     for i in ids:
         if isinstance(i, bool) or not hasattr(i, "__index__"):
-            raise ValueError(f"token id {i!r} is not an int; ids must be ints in [0, {self.vocab_size})")
+            raise ValueError(f"token id {i!r} is not an int; ids must be ints in "
+                             f"[0, {self.vocab_size})")
         i = int(i)
-        if i not in self._id_to_bytes:
-            raise ValueError(f"token id {i} is out of range; ids must be in [0, {self.vocab_size})")
+        if i not in self._pieces:
+            raise ValueError(f"token id {i} is out of range; ids must be in "
+                             f"[0, {self.vocab_size})")
         checked.append(i)
     return checked
 
 
-def _token_bytes(self, i: int) -> bytes:
-    "The raw bytes one token stands for (a special token stands for its own text)."
-    return self._id_to_bytes[i]
+def _bytes_to_text(data: bytes) -> str:
+    "A run of byte-fallback tokens -> text; if invalid, one '�' per byte, as HF does."
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "\ufffd" * len(data)
+
+
+def _join_pieces(pieces: list, how: dict) -> str:
+    "SentencePiece-style decoding of the tokens' pieces (see `_decode_piece`)."
+    out, run = [], bytearray()
+    for k, piece in enumerate(pieces):
+        if isinstance(piece, int):           # a byte: wait for the end of the run
+            run.append(piece)
+            continue
+        if run:
+            out.append(_bytes_to_text(bytes(run)))
+            run.clear()
+        if k == 0 and how["first_token_drops_mark"]:
+            piece = piece.replace(" ", "")   # Metaspace drops the first token's '▁'
+        out.append(piece)
+    if run:
+        out.append(_bytes_to_text(bytes(run)))
+    text = "".join(out)
+    cut = 0
+    while cut < min(how["strip"], len(text)) and text[cut] == " ":
+        cut += 1                             # Strip(' ', start=n): the leading space(s)
+    return text[cut:]
 
 
 def _decode(self, ids, skip_special_tokens: bool = False) -> str:
-    """Token ids -> text. The bytes of all tokens are joined first and decoded as UTF-8 once,
-    so a character split over several tokens comes back whole."""
-    ids = self._check_ids(ids)
-    data = b"".join(self._id_to_bytes[i] for i in ids
-                    if not (skip_special_tokens and i in self._special_ids))
-    return data.decode("utf-8", errors="replace")
+    """Token ids -> text. Byte-level: the bytes of all tokens are joined first and
+    decoded as UTF-8 once, so a character split over several tokens comes back whole.
+    SentencePiece-style: '▁' becomes ' ', runs of '<0x..>' tokens become their bytes,
+    and the space in front of the first word goes away."""
+    ids = [i for i in self._check_ids(ids)
+           if not (skip_special_tokens and i in self._special_ids)]
+    if self._decode_steps["byte_level"]:
+        data = b"".join(self._pieces[i] for i in ids)
+        return data.decode("utf-8", errors="replace")
+    return _join_pieces([self._pieces[i] for i in ids], self._decode_steps)
+
+
+def _token_bytes(self, i: int) -> bytes:
+    "The raw bytes one token stands for (a special token stands for its own text)."
+    (i,) = self._check_ids([i])
+    piece = self._pieces[i]
+    return bytes([piece]) if isinstance(piece, int) else (
+        piece if isinstance(piece, bytes) else piece.encode("utf-8"))
 
 
 def _id_to_token(self, i: int) -> str:
-    "The token's text as stored in tokenizer.json (byte characters, e.g. 'Ġthe')."
+    "The token as tokenizer.json writes it ('Ġthe', '▁the', '<0x0A>')."
     return self._id_to_token[self._check_ids([i])[0]]
 
 Tokenizer._check_ids = _check_ids
-Tokenizer.token_bytes = _token_bytes
 Tokenizer.decode = _decode
+Tokenizer.token_bytes = _token_bytes
 Tokenizer.id_to_token = _id_to_token
 
 # %% ../chapters/01_tokenizer.ipynb #c029
 @classmethod
 def _train(cls, texts: Iterable[str], vocab_size: int,
-          special_tokens: Sequence[str] = ("<|bos|>", "<|eos|>", "<|pad|>"),
-          bos_token: str | None = "<|bos|>", eos_token: str | None = "<|eos|>", pad_token: str | None = "<|pad|>",
-          pattern: str = LLAMA3_PATTERN, progress: bool = True) -> "Tokenizer":
+           special_tokens: Sequence[str] = ("<|bos|>", "<|eos|>", "<|pad|>"),
+           bos_token: str | None = "<|bos|>", eos_token: str | None = "<|eos|>",
+           pad_token: str | None = "<|pad|>", pattern: str = LLAMA3_PATTERN,
+           progress: bool = True) -> "Tokenizer":
     """Learn a byte-level BPE tokenizer from `texts`.
 
     Ids 0-255 are the bytes, then one id per learned merge, then the special tokens, so
-    `vocab_size` counts all three. The pre-token table is counted once; merging then only
-    looks at that table of unique words."""
+    `vocab_size` counts all three. The pre-token table is counted once; merging then
+    only looks at that table of unique words."""
     if isinstance(texts, str):
         texts = [texts]
     special_tokens = list(special_tokens)
     for name in (bos_token, eos_token, pad_token):
         if name is not None and name not in special_tokens:
-            raise ValueError(f"special token {name!r} is not in special_tokens={special_tokens}")
+            raise ValueError(f"special token {name!r} is not in "
+                             f"special_tokens={special_tokens}")
     if len(set(special_tokens)) != len(special_tokens):
         raise ValueError(f"special_tokens has duplicates: {special_tokens}")
     if not isinstance(vocab_size, int) or vocab_size < 256 + len(special_tokens):
-        raise ValueError(f"vocab_size must be an int >= {256 + len(special_tokens)} "
-                         f"(256 bytes + {len(special_tokens)} special tokens), got {vocab_size!r}")
-    compiled = regex.compile(pattern)
+        n = 256 + len(special_tokens)
+        raise ValueError(f"vocab_size must be an int >= {n} (256 bytes + "
+                         f"{len(special_tokens)} special tokens), got {vocab_size!r}")
+    try:
+        compiled = regex.compile(pattern)
+    except (regex.error, TypeError) as e:
+        raise ValueError(f"pattern {pattern!r} is not a valid regex: {e}") from None
     counts: Counter[str] = Counter()
     for text in tqdm(texts, desc="pre-tokenizing", disable=not progress):
         if not isinstance(text, str):
             raise TypeError(f"train() needs str texts, got {type(text).__name__}")
         counts.update(split_isolated(text, compiled))
     word_counts = {w.encode("utf-8"): c for w, c in counts.items()}
-    merges = learn_merges(word_counts, vocab_size - 256 - len(special_tokens), progress=progress)
+    num_merges = vocab_size - 256 - len(special_tokens)
+    merges = learn_merges(word_counts, num_merges, progress=progress)
     token_of = {b: to_byte_chars(bytes([b])) for b in range(256)}
     merge_strs = []
     for new_id, (a, b) in enumerate(merges, start=256):
@@ -378,140 +665,317 @@ def _train(cls, texts: Iterable[str], vocab_size: int,
 Tokenizer.train = _train
 
 # %% ../chapters/01_tokenizer.ipynb #c035
+def _one_step(steps: list[dict], list_key: str) -> dict | None:
+    "tokenizer.json writes no step as null, one step as itself, several as a Sequence."
+    if not steps:
+        return None
+    return steps[0] if len(steps) == 1 else {"type": "Sequence", list_key: steps}
+
+
 def _to_hf_json(self) -> dict:
     "This tokenizer as a Hugging Face `tokenizer.json` dictionary."
-    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for t, i in sorted(self.special.items(), key=lambda x: x[1])]
-    template = lambda seq: ([{"SpecialToken": {"id": t, "type_id": 0}} for t in self.prefix_tokens] + seq
-                            + [{"SpecialToken": {"id": t, "type_id": 0}} for t in self.suffix_tokens])
-    used = [*self.prefix_tokens, *self.suffix_tokens]
-    splits = [{"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False}
-              for p in self.patterns]
+    tokens = sorted({**self.added, **self.special}.items(), key=lambda x: x[1])
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False,
+              "rstrip": False, "normalized": t in self.normalized_added,
+              "special": t in self.special} for t, i in tokens]
+
+    def template(seq: list[dict]) -> list[dict]:
+        return ([{"SpecialToken": {"id": t, "type_id": 0}} for t in self.prefix_tokens]
+                + seq + [{"SpecialToken": {"id": t, "type_id": 0}}
+                         for t in self.suffix_tokens])
+
+    a, b = [{"Sequence": {"id": "A", "type_id": 0}}], [{"Sequence": {"id": "B",
+                                                                 "type_id": 1}}]
+    used = dict.fromkeys([*self.prefix_tokens, *self.suffix_tokens])
     return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
+        "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": added,
-        "normalizer": {"type": "NFC"} if self.nfc else None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": splits + [
-            {"type": "ByteLevel", "add_prefix_space": self.add_prefix_space, "trim_offsets": False, "use_regex": False}]},
+        "normalizer": _one_step(self.normalizers, "normalizers"),
+        "pre_tokenizer": _one_step(self.pre_tokenizers, "pretokenizers"),
         "post_processor": {
             "type": "TemplateProcessing",
-            "single": template([{"Sequence": {"id": "A", "type_id": 0}}]),
-            "pair": template([{"Sequence": {"id": "A", "type_id": 0}}]) + template([{"Sequence": {"id": "B", "type_id": 1}}]),
-            "special_tokens": {t: {"id": t, "ids": [self.special[t]], "tokens": [t]} for t in dict.fromkeys(used)},
+            "single": template(a), "pair": template(a) + template(b),
+            "special_tokens": {t: {"id": t, "ids": [self.special[t]], "tokens": [t]}
+                               for t in used},
         },
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+        "decoder": _one_step(self.decoders, "decoders"),
+        "model": {"type": "BPE", "dropout": None, "unk_token": self.unk_token,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": self.fuse_unk, "byte_fallback": self.byte_fallback,
                   "ignore_merges": self.ignore_merges, "vocab": self.vocab,
                   "merges": [[a, b] for a, b in self.merges]},
     }
 
-
+# %% ../chapters/01_tokenizer.ipynb #c035b
 def _save(self, folder: str | Path) -> Path:
-    """Write `tokenizer.json` and `tokenizer_config.json` into `folder`, so that
-    `transformers.AutoTokenizer.from_pretrained(folder)` loads the same tokenizer."""
+    """Write `tokenizer.json` and `tokenizer_config.json` into `folder` (made if
+    needed), so that `transformers.AutoTokenizer.from_pretrained(folder)` loads it."""
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"save() needs a folder, but {folder} is a file")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tokenizer.json").write_text(json.dumps(self.to_hf_json(), ensure_ascii=False, indent=1), encoding="utf-8")
+    spec = json.dumps(self.to_hf_json(), ensure_ascii=False, indent=1)
+    (folder / "tokenizer.json").write_text(spec, encoding="utf-8")
+    bos, eos = self.bos_token, self.eos_token
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
-        "add_bos_token": self.bos_token in self.prefix_tokens if self.bos_token else False,
-        "add_eos_token": self.eos_token in self.suffix_tokens if self.eos_token else False,
+        "bos_token": bos, "eos_token": eos, "pad_token": self.pad_token,
+        "add_bos_token": bos in self.prefix_tokens if bos else False,
+        "add_eos_token": eos in self.suffix_tokens if eos else False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": self.model_max_length or 1_000_000_000,
     }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n",
+                                                  encoding="utf-8")
     return folder
 
 Tokenizer.to_hf_json = _to_hf_json
 Tokenizer.save = _save
 
 # %% ../chapters/01_tokenizer.ipynb #c036
-def _read_pre_tokenizer(spec: dict | None) -> tuple[list[str], bool]:
-    "Hugging Face pre_tokenizer -> (split regexes, add_prefix_space). Only the byte-level kinds."
+def _need(obj: dict, key: str, types, where: str, default=...):
+    "obj[key], checked to be of `types`; an error names the field ('model.vocab')."
+    if key not in obj:
+        if default is not ...:
+            return default
+        raise ValueError(f"field {where!r} is missing")
+    value, types = obj[key], types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        raise ValueError(f"field {where!r} is {value!r}, not {names}")
+    return value
+
+
+def _steps(spec: dict | None, list_key: str, where: str) -> list[dict]:
+    "A normalizer / pre_tokenizer / decoder entry -> a flat list of steps."
     if spec is None:
-        raise ValueError("tokenizer.json has no pre_tokenizer; only byte-level BPE tokenizers are supported")
-    steps = spec["pretokenizers"] if spec["type"] == "Sequence" else [spec]
-    patterns, prefix_space, byte_level = [], False, False
-    for step in steps:
-        if step["type"] == "Split":
-            if step.get("behavior") != "Isolated" or step.get("invert"):
-                raise ValueError(f"unsupported Split pre-tokenizer {step}; only behavior='Isolated' is supported")
-            p = step["pattern"]
-            patterns.append(p["Regex"] if "Regex" in p else regex.escape(p["String"]))
-        elif step["type"] == "ByteLevel":
-            byte_level = True
-            prefix_space = step.get("add_prefix_space", False)
-            if step.get("use_regex", True):
-                patterns.append(GPT2_PATTERN)
+        return []
+    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
+        raise ValueError(f"field {where!r} is {spec!r}, not a step with a 'type'")
+    if spec["type"] != "Sequence":
+        return [spec]
+    inner = _need(spec, list_key, list, f"{where}.{list_key}")
+    return [s for k, step in enumerate(inner)
+            for s in _steps(step, list_key, f"{where}.{list_key}[{k}]")]
+
+
+def _read_normalizers(spec) -> list[dict]:
+    "Normalizers we implement: NFC, Prepend, Replace (of a plain string)."
+    steps = _steps(spec, "normalizers", "normalizer")
+    for s in steps:
+        if s["type"] == "Prepend":
+            _need(s, "prepend", str, "normalizer.prepend")
+        elif s["type"] == "Replace":
+            pattern = _need(s, "pattern", dict, "normalizer.pattern")
+            if not isinstance(pattern.get("String"), str):
+                raise ValueError(f"normalizer Replace with pattern {pattern} is not "
+                                 "supported; only a plain String pattern")
+            _need(s, "content", str, "normalizer.content")
+        elif s["type"] != "NFC":
+            raise ValueError(f"normalizer {s['type']!r} is not supported; supported: "
+                             "NFC, Prepend, Replace, Sequence")
+    return steps
+
+
+def _read_pre_tokenizers(spec) -> list[dict]:
+    "Pre-tokenizers we implement: Split (Isolated), ByteLevel (last), Metaspace."
+    steps = _steps(spec, "pretokenizers", "pre_tokenizer")
+    for k, s in enumerate(steps):
+        if s["type"] == "Split":
+            if s.get("behavior") != "Isolated" or s.get("invert", False):
+                raise ValueError(f"pre_tokenizer Split {s} is not supported; only "
+                                 "behavior='Isolated', invert=false")
+            pattern = _need(s, "pattern", dict, "pre_tokenizer.pattern")
+            if isinstance(pattern.get("Regex"), str):
+                try:
+                    regex.compile(pattern["Regex"])
+                except regex.error as e:
+                    raise ValueError(f"pre_tokenizer.pattern.Regex "
+                                     f"{pattern['Regex']!r} is not a valid regex: {e}"
+                                     ) from None
+            elif not isinstance(pattern.get("String"), str):
+                raise ValueError(f"field 'pre_tokenizer.pattern' is {pattern!r}, "
+                                 "not {'Regex': ...} or {'String': ...}")
+        elif s["type"] == "ByteLevel":
+            if k != len(steps) - 1:
+                raise ValueError("pre_tokenizer ByteLevel must be the last step")
+            for key in ("add_prefix_space", "use_regex"):
+                _need(s, key, bool, f"pre_tokenizer.{key}", True)
+        elif s["type"] == "Metaspace":
+            s = steps[k] = dict(s)
+            mark = _need(s, "replacement", str, "pre_tokenizer.replacement")
+            if len(mark) != 1:
+                raise ValueError(f"pre_tokenizer.replacement {mark!r} is not one "
+                                 "character")
+            legacy = "always" if _need(s, "add_prefix_space", bool, "add_prefix_space",
+                                       True) else "never"
+            scheme = s.setdefault("prepend_scheme", legacy)
+            if scheme not in ("always", "first", "never"):
+                raise ValueError(f"pre_tokenizer.prepend_scheme {scheme!r} is not "
+                                 "one of 'always', 'first', 'never'")
+            s.pop("add_prefix_space", None)
+            _need(s, "split", bool, "pre_tokenizer.split", True)
         else:
-            raise ValueError(f"unsupported pre-tokenizer {step['type']!r}; supported: Split, ByteLevel")
-    if not byte_level:
-        raise ValueError("not a byte-level tokenizer (no ByteLevel pre-tokenizer)")
-    return patterns, prefix_space
+            raise ValueError(f"pre_tokenizer {s['type']!r} is not supported; "
+                             "supported: Split, ByteLevel, Metaspace, Sequence")
+    if {"ByteLevel", "Metaspace"} <= {s["type"] for s in steps}:
+        raise ValueError("pre_tokenizer has both ByteLevel and Metaspace: not "
+                         "supported")
+    return steps
 
-
-def _read_normalizer(spec: dict | None) -> bool:
-    "Hugging Face normalizer -> whether to apply NFC (the only one byte-level BPE models use)."
-    if spec is None:
-        return False
-    steps = spec["normalizers"] if spec["type"] == "Sequence" else [spec]
-    if any(s["type"] != "NFC" for s in steps):
-        raise ValueError(f"unsupported normalizer {spec}; only NFC is supported")
-    return bool(steps)
-
-
-def _read_template(spec: dict | None) -> tuple[list[str] | None, list[str]]:
-    "TemplateProcessing post-processor -> (special tokens before the text, after it)."
-    if spec is None:
-        return [], []
-    if spec["type"] == "Sequence":
-        for s in spec["processors"]:
-            if s["type"] == "TemplateProcessing":
-                return _read_template(s)
-        return [], []
-    if spec["type"] != "TemplateProcessing":
-        return [], []                        # e.g. ByteLevel: changes offsets only, not ids
-    prefix, suffix, seen_text = [], [], False
-    for item in spec["single"]:
-        if "Sequence" in item:
-            seen_text = True
+# %% ../chapters/01_tokenizer.ipynb #c036a
+def _read_post_processor(spec, special: dict[str, int]) -> tuple[list[str], list[str]]:
+    """post_processor -> (special tokens before the text, after it), for one text.
+    TemplateProcessing, RobertaProcessing and BertProcessing add tokens; ByteLevel only
+    changes offsets, not ids."""
+    prefix, suffix, adders = [], [], 0
+    for s in _steps(spec, "processors", "post_processor"):
+        kind = s["type"]
+        if kind == "ByteLevel":
+            continue
+        adders += 1
+        if kind in ("RobertaProcessing", "BertProcessing"):
+            pairs = [_need(s, key, list, f"post_processor.{key}")
+                     for key in ("cls", "sep")]
+            for name, i in pairs:
+                if special.get(name) != i:
+                    raise ValueError(f"post_processor: {name!r} (id {i}) is not a "
+                                     "special token with that id")
+            prefix, suffix = [pairs[0][0]], [pairs[1][0]]
+        elif kind == "TemplateProcessing":
+            ids = _need(s, "special_tokens", dict, "post_processor.special_tokens")
+            seen_text, prefix, suffix = False, [], []
+            for item in _need(s, "single", list, "post_processor.single"):
+                if "Sequence" in item:
+                    if item["Sequence"].get("id") != "A" or seen_text:
+                        raise ValueError(f"post_processor.single {s['single']} is not "
+                                         "supported: it must hold the text ($A) once")
+                    seen_text = True
+                    continue
+                name = item["SpecialToken"]["id"]
+                if ids.get(name, {}).get("ids") != [special.get(name, -1)]:
+                    raise ValueError(f"post_processor: template token {name!r} must be "
+                                     "one special token with the same id")
+                (suffix if seen_text else prefix).append(name)
         else:
-            (suffix if seen_text else prefix).append(item["SpecialToken"]["id"])
+            raise ValueError(f"post_processor {kind!r} is not supported; supported: "
+                             "TemplateProcessing, RobertaProcessing, BertProcessing, "
+                             "ByteLevel")
+    if adders > 1:
+        raise ValueError("post_processor: more than one step adds tokens; not "
+                         "supported")
     return prefix, suffix
 
+
+def _read_added_tokens(entries) -> tuple[dict, dict, set]:
+    "added_tokens -> (special ones, other ones, the ones matched after normalizing)."
+    special, added, normalized = {}, {}, set()
+    for k, t in enumerate(entries):
+        where = f"added_tokens[{k}]"
+        if not isinstance(t, dict):
+            raise ValueError(f"field {where!r} is {t!r}, not an object")
+        content = _need(t, "content", str, f"{where}.content")
+        i = _need(t, "id", int, f"{where}.id")
+        if not content or content in special or content in added:
+            raise ValueError(f"{where}: content {content!r} is empty or appears twice")
+        for flag in ("lstrip", "rstrip", "single_word"):
+            if _need(t, flag, bool, f"{where}.{flag}", False):
+                raise ValueError(f"{where} ({content!r}) has {flag}=true; added tokens "
+                                 "with lstrip, rstrip or single_word are not supported")
+        is_special = _need(t, "special", bool, f"{where}.special", False)
+        (special if is_special else added)[content] = i
+        if _need(t, "normalized", bool, f"{where}.normalized", not is_special):
+            normalized.add(content)
+    return special, added, normalized
+
 # %% ../chapters/01_tokenizer.ipynb #c036b
+def _read_model(model: dict) -> dict:
+    "The BPE model entry -> constructor arguments; options we lack are refused."
+    kind = model.get("type", "BPE")
+    if kind != "BPE":
+        raise ValueError(f"model.type is {kind!r}; only 'BPE' is supported")
+    unsupported = {"dropout": (None, 0, 0.0), "continuing_subword_prefix": (None, ""),
+                   "end_of_word_suffix": (None, "")}
+    for key, allowed in unsupported.items():
+        if model.get(key) not in allowed:
+            raise ValueError(f"model.{key} = {model[key]!r} is not supported")
+    vocab = _need(model, "vocab", dict, "model.vocab")
+    merges = []
+    for k, m in enumerate(_need(model, "merges", list, "model.merges")):
+        pair = m.split(" ") if isinstance(m, str) else m
+        if not (isinstance(pair, list) and len(pair) == 2
+                and all(isinstance(t, str) for t in pair)):
+            raise ValueError(f"model.merges[{k}] is {m!r}, not 'a b' or ['a', 'b']")
+        merges.append(tuple(pair))
+    flags = {key: bool(_need(model, key, (bool, type(None)), f"model.{key}", False))
+             for key in ("byte_fallback", "fuse_unk", "ignore_merges")}
+    unk = _need(model, "unk_token", (str, type(None)), "model.unk_token", None)
+    return dict(vocab=vocab, merges=merges, unk_token=unk, **flags)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerFileError(f"{path} is not valid JSON: {e}") from None
+
+
+def _read_tokenizer_json(spec) -> dict:
+    "tokenizer.json (parsed) -> the arguments of `Tokenizer(...)`, or a clear error."
+    if not isinstance(spec, dict):
+        raise ValueError(f"the file holds {type(spec).__name__}, not a JSON object")
+    for key in ("truncation", "padding"):
+        if spec.get(key) is not None:
+            raise ValueError(f"field {key!r} is set; truncation and padding in "
+                             "tokenizer.json are not supported")
+    args = _read_model(_need(spec, "model", dict, "model"))
+    special, added, normalized = _read_added_tokens(
+        _need(spec, "added_tokens", list, "added_tokens", []))
+    prefix, suffix = _read_post_processor(spec.get("post_processor"), special)
+    pre = _read_pre_tokenizers(spec.get("pre_tokenizer"))
+    decoders = _steps(spec.get("decoder"), "decoders", "decoder")
+    _read_decoders(decoders)                    # refuses decoders we do not implement
+    byte_level = any(s["type"] == "ByteLevel" for s in pre)
+    if byte_level != (decoders and decoders[0]["type"] == "ByteLevel"):
+        raise ValueError("pre_tokenizer and decoder do not match: a ByteLevel "
+                         "pre-tokenizer needs a ByteLevel decoder, and only it does")
+    return dict(args, special=special, added=added, normalized_added=normalized,
+                normalizers=_read_normalizers(spec.get("normalizer")),
+                pre_tokenizers=pre, decoders=decoders,
+                prefix_tokens=prefix, suffix_tokens=suffix)
+
+# %% ../chapters/01_tokenizer.ipynb #c036c
 @classmethod
 def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
-    """Load a byte-level BPE `tokenizer.json` (GPT-2, Llama 3, Qwen2, or one saved by `save`),
-    with `tokenizer_config.json` for the BOS/EOS/PAD names when the folder has one."""
+    """Load a `tokenizer.json` (a file, or the folder that holds it), with the BOS, EOS
+    and PAD names of `tokenizer_config.json` when there is one. Gives the same ids as
+    Hugging Face, or raises `TokenizerFileError` naming the field we lack."""
     folder = Path(folder)
     path = folder / "tokenizer.json" if folder.is_dir() else folder
     if not path.is_file():
-        raise ValueError(f"no tokenizer.json at {path}")
-    spec = json.loads(path.read_text(encoding="utf-8"))
-    model = spec["model"]
-    if model.get("type", "BPE") != "BPE":
-        raise ValueError(f"only BPE tokenizers are supported, this one is {model.get('type')!r}")
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
-    patterns, prefix_space = _read_pre_tokenizer(spec.get("pre_tokenizer"))
-    prefix, suffix = _read_template(spec.get("post_processor"))
+        where = "" if folder.exists() else f" ({folder} does not exist)"
+        raise FileNotFoundError(f"no tokenizer.json at {path}{where}")
     config_path = path.parent / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-    bos = _token_content(config.get("bos_token")) or (prefix[0] if prefix else None)
-    eos = _token_content(config.get("eos_token"))
-    pad = _token_content(config.get("pad_token"))
-    bos, eos, pad = (t if t in special else None for t in (bos, eos, pad))
-    max_len = config.get("model_max_length")
-    return cls(model["vocab"], merges, special, patterns=patterns, bos_token=bos, eos_token=eos,
-               pad_token=pad, prefix_tokens=prefix, suffix_tokens=suffix,
-               nfc=_read_normalizer(spec.get("normalizer")), add_prefix_space=prefix_space,
-               ignore_merges=model.get("ignore_merges", False),
-               model_max_length=int(max_len) if isinstance(max_len, (int, float)) and max_len < 1e12 else None)
+    config = _read_json(config_path) if config_path.is_file() else {}
+    try:
+        args = _read_tokenizer_json(_read_json(path))
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path.name} holds {type(config).__name__}, "
+                             "not a JSON object")
+        prefix, special = args["prefix_tokens"], args["special"]
+        names = [_token_content(config.get(k)) for k in ("bos_token", "eos_token",
+                                                         "pad_token")]
+        if names[0] is None and prefix:
+            names[0] = prefix[0]
+        max_len = config.get("model_max_length")
+        ok = type(max_len) is int and max_len < 10**12
+        return cls(**args, **{k: t if t in special else None for k, t in
+                              zip(("bos_token", "eos_token", "pad_token"), names)},
+                   model_max_length=max_len if ok else None)
+    except TokenizerFileError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise TokenizerFileError(f"{path}: {e}") from None
 
 Tokenizer.from_pretrained = _from_pretrained
 
@@ -519,22 +983,53 @@ Tokenizer.from_pretrained = _from_pretrained
 class IncrementalDecoder:
     """Decode a stream of token ids into text deltas that are always whole characters.
 
-    Bytes of a character that is not finished yet wait in the UTF-8 decoder until the
-    next token completes it, so no delta ever holds a '�' made from half a character.
-    The deltas joined together equal `tokenizer.decode(all_ids)`."""
+    Bytes of a character that is not finished yet wait until the token that completes
+    it arrives, so no delta ever holds a '�' made from half a character. The deltas
+    joined together equal `tokenizer.decode(all_ids)`."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._how = tokenizer._decode_steps
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = bytearray()           # byte-fallback tokens not decoded yet
+        self._strip = self._how.get("strip", 0)   # leading spaces still to remove
+        self._first = True                    # no token seen yet
 
     def push(self, token_id: int) -> str:
         "Feed one id; get the text that is complete now (may be '')."
         (i,) = self.tokenizer._check_ids([token_id])
         if self.skip_special_tokens and i in self.tokenizer._special_ids:
             return ""
-        return self._utf8.decode(self.tokenizer.token_bytes(i))
+        return self._push(i)
+
+    def _push(self, i: int) -> str:
+        piece = self.tokenizer._pieces[i]
+        if self._how["byte_level"]:
+            return self._utf8.decode(piece)
+        if isinstance(piece, int):            # a '<0x..>' token: wait for the whole run
+            self._pending.append(piece)
+            self._first = False
+            return ""
+        if self._first and self._how["first_token_drops_mark"]:
+            piece = piece.replace(" ", "")    # Metaspace drops the first token's '▁'
+        self._first = False
+        return self._emit(self._flush_bytes() + piece)
+
+    def _flush_bytes(self) -> str:
+        text = _bytes_to_text(bytes(self._pending)) if self._pending else ""
+        self._pending.clear()
+        return text
+
+    def _emit(self, text: str) -> str:
+        while self._strip and text.startswith(" "):    # Strip(' ', start=n)
+            text, self._strip = text[1:], self._strip - 1
+        if text:
+            self._strip = 0
+        return text
 
     def flush(self) -> str:
-        "End of stream: whatever bytes are still waiting (a cut-off character becomes '�')."
-        return self._utf8.decode(b"", final=True)
+        "End of stream: whatever is still waiting (a cut-off character becomes '�')."
+        if self._how["byte_level"]:
+            return self._utf8.decode(b"", final=True)
+        return self._emit(self._flush_bytes())

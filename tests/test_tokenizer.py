@@ -11,8 +11,8 @@ from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, pro
 from tokenizers import Tokenizer as RustTokenizer
 from transformers import AutoTokenizer
 
-from minillm.tokenizer import (LLAMA3_PATTERN, QWEN2_PATTERN, IncrementalDecoder, Tokenizer,
-                               learn_merges, merge_pair)
+from minillm.tokenizer import (BYTE_TO_CHAR, LLAMA3_PATTERN, QWEN2_PATTERN, IncrementalDecoder,
+                               Tokenizer, TokenizerFileError, learn_merges, merge_pair)
 from minillm.utils import bundled_model_path
 
 SUITE = [
@@ -110,7 +110,7 @@ def test_incremental_decoder_deltas(bundled, text):
 
 def test_incremental_decoder_waits_for_a_split_character(bundled):
     # '界' is three bytes; as single byte tokens it arrives in three pieces
-    byte_ids = [bundled._byte_ids[b] for b in "界".encode()]
+    byte_ids = [bundled.vocab[BYTE_TO_CHAR[b]] for b in "界".encode()]
     assert bundled.decode(byte_ids[:1]) == "\ufffd"                      # the naive way breaks
     dec = IncrementalDecoder(bundled)
     assert [dec.push(i) for i in byte_ids] == ["", "", "界"]
@@ -148,8 +148,24 @@ def test_bad_input(bundled):
                         pad_token=None, progress=False)
     with pytest.raises(ValueError, match="vocab_size"):
         Tokenizer.train(["abc"], 100, progress=False)
-    with pytest.raises(ValueError, match="no tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         Tokenizer.from_pretrained(Path(__file__).parent)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Tokenizer.from_pretrained(Path(__file__).parent / "no-such-folder")
+    for bad in (4, True, [1, 2], 3.5):
+        with pytest.raises(TypeError, match=type(bad).__name__):
+            bundled.encode(bad)
+    with pytest.raises(ValueError, match=r"True.*not an int"):
+        bundled.decode([True])
+    with pytest.raises(TypeError, match="int"):
+        bundled.decode(5)
+
+
+def test_save_to_a_file_path_is_refused(bundled, tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        bundled.save(tmp_path / "f")
+    assert (tmp_path / "f").read_text() == "x"
 
 
 def test_decode_accepts_tensors_and_numpy(bundled):
@@ -256,3 +272,291 @@ def test_hf_trained_same_ids(hf_trained):
     else:
         assert ours.encode("hi", add_special_tokens=True) == ours.encode("hi", add_special_tokens=False)
 
+
+
+# ---------------------------------------------------------------- BPE: heap against the rescan
+def _rescan_bpe(tok: Tokenizer, ids: list[int]) -> list[int]:
+    "The textbook encoder: rescan all pairs, merge the lowest rank everywhere, repeat."
+    while len(ids) > 1:
+        found = [tok._ranks[p] for p in zip(ids, ids[1:]) if p in tok._ranks]
+        if not found:
+            return ids
+        rank, new = min(found)
+        pair = next(p for p in zip(ids, ids[1:]) if tok._ranks.get(p) == (rank, new))
+        ids = merge_pair(ids, pair, new)
+    return ids
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="aeiou tnsrhl'", min_size=1, max_size=80))
+def test_heap_bpe_equals_the_rescan(bundled, text):
+    symbols = [bundled.vocab[BYTE_TO_CHAR[b]] for b in text.encode()]
+    assert bundled._bpe(symbols) == _rescan_bpe(bundled, symbols)
+
+
+def test_long_words_are_not_cached_and_still_right(bundled):
+    rust = RustTokenizer.from_file(str(bundled_model_path() / "tokenizer.json"))
+    word = "thou" * 2000 + "ROMEO" * 500
+    assert bundled.encode(word, add_special_tokens=False) == rust.encode(
+        word, add_special_tokens=False).ids
+    assert all(len(w) <= 256 for w in bundled._cache)
+
+
+# ---------------------------------------------------------------- SentencePiece-style BPE
+SP_DECODER = {"type": "Sequence", "decoders": [
+    {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+    {"type": "ByteFallback"}, {"type": "Fuse"},
+    {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+BOS_TEMPLATE = {
+    "type": "TemplateProcessing",
+    "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+    "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+             {"Sequence": {"id": "B", "type_id": 1}}],
+    "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
+
+
+def _added(content: str, i: int, special: bool = True, **flags) -> dict:
+    return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": special, **flags}
+
+
+def sentencepiece_spec(kind: str) -> dict:
+    """A Llama-2-style tokenizer.json: <unk>, <s>, </s>, the 256 '<0x..>' byte tokens, then
+    merges trained by `tokenizers` (few letters in the alphabet, so byte fallback is common)."""
+    tk = RustTokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
+    tk.train_from_iterator([_training_text()], trainers.BpeTrainer(
+        vocab_size=600, limit_alphabet=60, show_progress=False))
+    spec = json.loads(tk.to_str())
+    trained = spec["model"]["vocab"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for t in sorted(trained, key=trained.get):
+        vocab.setdefault(t, len(vocab))
+    spec["model"].update(vocab=vocab, byte_fallback=True, fuse_unk=True, unk_token="<unk>")
+    spec["added_tokens"] = [_added("<unk>", 0), _added("<s>", 1), _added("</s>", 2)]
+    spec["post_processor"] = BOS_TEMPLATE
+    spec["decoder"] = SP_DECODER
+    if kind == "llama2":          # Llama 2, TinyLlama, Mistral 7B v0.1
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u2581"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+        spec["pre_tokenizer"] = None
+    elif kind == "metaspace-first":   # what newer transformers versions write for Llama
+        spec["normalizer"] = None
+        spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
+                                 "prepend_scheme": "first", "split": False}
+    else:                          # the older Metaspace that splits, with its own decoder
+        spec["normalizer"] = None
+        spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "add_prefix_space": True}
+        spec["decoder"] = {"type": "Metaspace", "replacement": "\u2581", "add_prefix_space": True}
+    return spec
+
+
+def _write(folder: Path, spec: dict, config: dict | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module", params=["llama2", "metaspace-first", "metaspace-split"])
+def sentencepiece(request, tmp_path_factory):
+    spec = sentencepiece_spec(request.param)
+    folder = _write(tmp_path_factory.mktemp(request.param), spec,
+                    {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    return Tokenizer.from_pretrained(folder), RustTokenizer.from_str(json.dumps(spec))
+
+
+SP_SUITE = SUITE + ["Hello", " leading space", "two  spaces", "\u2581already marked",
+                    "a\u2581b \u2581", "<s>hello</s> x<s>", "x<s> y</s>", "<unk>"]
+
+
+def test_sentencepiece_same_ids_and_text_as_tokenizers(sentencepiece):
+    ours, rust = sentencepiece
+    assert ours.vocab_size == rust.get_vocab_size() and not ours.byte_level
+    for text in SP_SUITE:
+        for add in (True, False):
+            ids = ours.encode(text, add_special_tokens=add)
+            assert ids == rust.encode(text, add_special_tokens=add).ids, (text, add)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == rust.decode(
+                    ids, skip_special_tokens=skip), (text, skip)
+    byte_ids = ours.encode("界", add_special_tokens=False)
+    assert [ours.id_to_token(i) for i in byte_ids][-3:] == ["<0xE7>", "<0x95>", "<0x8C>"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
+       | st.text(" \t\n\u2581ab<s>/", max_size=30))
+def test_sentencepiece_same_ids_on_random_text(sentencepiece, text):
+    ours, rust = sentencepiece
+    ids = ours.encode(text)
+    assert ids == rust.encode(text).ids
+    assert ours.decode(ids, skip_special_tokens=True) == rust.decode(ids)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 599), max_size=25))
+def test_sentencepiece_decode_any_ids_like_tokenizers(sentencepiece, ids):
+    """Any id sequence (broken byte runs included) decodes as `tokenizers` decodes it, and
+    streaming gives the same text."""
+    ours, rust = sentencepiece
+    for skip in (True, False):
+        text = ours.decode(ids, skip_special_tokens=skip)
+        assert text == rust.decode(ids, skip_special_tokens=skip)
+        dec = IncrementalDecoder(ours, skip_special_tokens=skip)
+        assert "".join([dec.push(i) for i in ids] + [dec.flush()]) == text
+
+
+# ---------------------------------------------------------------- other tokenizer.json features
+def _byte_level_spec(tmp_path) -> dict:
+    "A small byte-level file to change one feature at a time."
+    return Tokenizer.train([_training_text()], 400, special_tokens=["<s>", "</s>"],
+                           bos_token="<s>", eos_token="</s>", pad_token=None,
+                           progress=False).to_hf_json()
+
+
+def _both(spec: dict, tmp_path) -> tuple[Tokenizer, RustTokenizer]:
+    return (Tokenizer.from_pretrained(_write(tmp_path / "tok", spec)),
+            RustTokenizer.from_str(json.dumps(spec)))
+
+
+def _same(ours, rust, texts) -> None:
+    for text in texts:
+        for add in (True, False):
+            ids = ours.encode(text, add_special_tokens=add)
+            assert ids == rust.encode(text, add_special_tokens=add).ids, (text, add)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == rust.decode(
+                    ids, skip_special_tokens=skip), (text, skip)
+
+
+FEATURE_TEXTS = SUITE + ["<tool>x</s>", "a <tool> b<s>", "one<s>two", " x", "1a2 b"]
+
+
+def test_roberta_post_processor(tmp_path):
+    spec = _byte_level_spec(tmp_path)
+    spec["post_processor"] = {"type": "RobertaProcessing", "sep": ["</s>", 400 - 1],
+                              "cls": ["<s>", 400 - 2], "trim_offsets": True,
+                              "add_prefix_space": False}
+    ours, rust = _both(spec, tmp_path)
+    assert ours.encode("hi")[0] == 398 and ours.encode("hi")[-1] == 399
+    _same(ours, rust, FEATURE_TEXTS)
+
+
+def test_non_special_added_tokens_are_kept_by_skip_special_tokens(tmp_path):
+    spec = _byte_level_spec(tmp_path)
+    spec["added_tokens"].append(_added("<tool>", 400, special=False))
+    ours, rust = _both(spec, tmp_path)
+    ids = ours.encode("a <tool> b", add_special_tokens=False)
+    assert 400 in ids and ours.decode(ids + [399], skip_special_tokens=True) == "a <tool> b"
+    assert 400 in ours.encode("a <tool> b", parse_special=False)    # not special: still parsed
+    _same(ours, rust, FEATURE_TEXTS)
+    dec = IncrementalDecoder(ours, skip_special_tokens=True)
+    assert "".join([dec.push(i) for i in ids] + [dec.flush()]) == "a <tool> b"
+
+
+def test_normalized_added_tokens_and_byte_level_prefix_space(tmp_path):
+    spec = _byte_level_spec(tmp_path)
+    spec["added_tokens"].append(_added("<tool>", 400, special=False, normalized=True))
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "NFC"}, {"type": "Replace", "pattern": {"String": "1"}, "content": "one"}]}
+    spec["pre_tokenizer"]["pretokenizers"][-1]["add_prefix_space"] = True
+    ours, rust = _both(spec, tmp_path)
+    _same(ours, rust, FEATURE_TEXTS + ["<t1ol>", "e\u0301<tool>"])
+
+
+def test_unknown_characters_without_byte_fallback(tmp_path):
+    spec = sentencepiece_spec("llama2")
+    for fuse in (True, False):
+        spec["model"].update(byte_fallback=False, fuse_unk=fuse)
+        ours, rust = _both(spec, tmp_path / str(fuse))
+        _same(ours, rust, ["你好，世界 ok", "😀😀 x 😀"])
+    del spec["model"]["unk_token"]
+    ours, _ = _both(spec, tmp_path / "no-unk")
+    with pytest.raises(ValueError, match="no token"):
+        ours.encode("你好")
+
+
+UNSUPPORTED = {
+    "lstrip": lambda s: s["added_tokens"][0].update(lstrip=True),
+    "rstrip": lambda s: s["added_tokens"][0].update(rstrip=True),
+    "single_word": lambda s: s["added_tokens"][0].update(single_word=True),
+    "end_of_word_suffix": lambda s: s["model"].update(end_of_word_suffix="</w>"),
+    "continuing_subword_prefix": lambda s: s["model"].update(continuing_subword_prefix="##"),
+    "dropout": lambda s: s["model"].update(dropout=0.1),
+    "'WordPiece'": lambda s: s["model"].update(type="WordPiece"),
+    "'Lowercase'": lambda s: s.update(normalizer={"type": "Lowercase"}),
+    "Replace with pattern": lambda s: s.update(normalizer={
+        "type": "Replace", "pattern": {"Regex": " +"}, "content": " "}),
+    "'Digits'": lambda s: s.update(pre_tokenizer={"type": "Digits", "individual_digits": True}),
+    "Split": lambda s: s["pre_tokenizer"]["pretokenizers"][0].update(behavior="Removed"),
+    "more than one step adds tokens": lambda s: s.update(
+        post_processor={"type": "Sequence", "processors": [
+            {"type": "RobertaProcessing", "sep": ["</s>", 399], "cls": ["<s>", 398]},
+            s["post_processor"]]}),
+    "'Bogus'": lambda s: s.update(post_processor={"type": "Bogus"}),
+    "decoder steps": lambda s: s.update(decoder={"type": "WordPiece", "prefix": "##"}),
+    "truncation": lambda s: s.update(truncation={"max_length": 4}),
+    "do not match": lambda s: s.update(decoder=SP_DECODER),
+}
+
+
+@pytest.mark.parametrize("feature", list(UNSUPPORTED))
+def test_unsupported_features_are_refused_by_name(tmp_path, feature):
+    spec = _byte_level_spec(tmp_path)
+    UNSUPPORTED[feature](spec)
+    folder = _write(tmp_path / "tok", spec)
+    with pytest.raises(TokenizerFileError, match=feature) as info:
+        Tokenizer.from_pretrained(folder)
+    assert str(folder / "tokenizer.json") in str(info.value)
+
+
+BROKEN = {
+    "not valid JSON": "",
+    "not valid JSON:": "{\"model\": ",
+    "holds list": [],
+    "field 'model' is missing": {},
+    "field 'model.vocab' is \\[\\]": lambda s: s["model"].update(vocab=[]),
+    "model.merges\\[3\\]": lambda s: s["model"]["merges"].__setitem__(3, "a"),
+    "merge #5 .*not in the vocabulary": lambda s: s["model"]["merges"].__setitem__(5, ["zz", "q"]),
+    "not a valid regex": lambda s: s["pre_tokenizer"]["pretokenizers"][0].update(
+        pattern={"Regex": "(unclosed"}),
+    "added_tokens\\[1\\].id": lambda s: s["added_tokens"][1].update(id="7"),
+    "ids must be ints": lambda s: s["model"]["vocab"].update(x=-3),
+    "field 'added_tokens' is": lambda s: s.update(added_tokens={"a": 1}),
+    "field 'pre_tokenizer'": lambda s: s.update(pre_tokenizer="ByteLevel"),
+}
+
+
+@pytest.mark.parametrize("problem", list(BROKEN))
+def test_broken_files_give_a_clear_error(tmp_path, problem):
+    change = BROKEN[problem]
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    if callable(change):
+        spec = _byte_level_spec(tmp_path)
+        change(spec)
+        (folder / "tokenizer.json").write_text(json.dumps(spec))
+    else:
+        (folder / "tokenizer.json").write_text(
+            change if isinstance(change, str) else json.dumps(change))
+    with pytest.raises(TokenizerFileError, match=problem) as info:
+        Tokenizer.from_pretrained(folder)
+    assert "tokenizer.json" in str(info.value)
+
+
+def test_broken_tokenizer_config_is_named(tmp_path):
+    folder = _write(tmp_path / "tok", _byte_level_spec(tmp_path))
+    (folder / "tokenizer_config.json").write_text("{oops")
+    with pytest.raises(TokenizerFileError, match="tokenizer_config.json is not valid JSON"):
+        Tokenizer.from_pretrained(folder)
+
+
+def test_save_and_load_keeps_a_sentencepiece_tokenizer(sentencepiece, tmp_path):
+    ours, rust = sentencepiece
+    again = Tokenizer.from_pretrained(ours.save(tmp_path / "again"))
+    reloaded_rust = RustTokenizer.from_file(str(tmp_path / "again" / "tokenizer.json"))
+    for text in SP_SUITE:
+        assert again.encode(text) == ours.encode(text) == reloaded_rust.encode(text).ids
