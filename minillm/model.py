@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 # %% auto #0
 __all__ = ['SUPPORTED_ARCHITECTURES', 'FLOAT_DTYPES', 'ModelConfig', 'RMSNorm', 'rope_frequencies', 'RotaryEmbedding',
-           'rotate_half', 'apply_rope', 'Attention', 'MLP', 'Block', 'Transformer', 'safetensors_files',
-           'read_safetensors_header', 'resolve_device', 'load_model']
+           'rotate_half', 'apply_rope', 'Attention', 'MLP', 'Block', 'Transformer', 'resolve_folder',
+           'safetensors_files', 'read_safetensors_header', 'resolve_device', 'load_model']
 
 # %% ../chapters/02_naive_loop.ipynb #c010f
 _REQUIRED = object()
@@ -114,6 +114,22 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None        # the dtype the checkpoint was saved in
 
+    def __post_init__(self):  # built by hand, too: the same checks as from_hf
+        f = _Fields(vars(self), "ModelConfig")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            f.int(name)
+        f.int("max_position_embeddings")
+        f.int("sliding_window", None)
+        f.number("rope_theta")
+        f.number("rms_norm_eps")
+        if self.num_heads % self.num_kv_heads:
+            f.bad("num_kv_heads", self.num_kv_heads, f"a divisor of {self.num_heads}")
+        if self.head_dim % 2:
+            f.bad("head_dim", self.head_dim, "even (RoPE turns pairs of channels)")
+        f.token_ids("eos_token_ids", self.vocab_size)
+        f.token_ids("bos_token_id", self.vocab_size)
+
     @property
     def context_length(self) -> int:
         """The positions this engine runs: the sliding window caps it (stays exact)."""
@@ -125,6 +141,9 @@ class ModelConfig:
     def from_hf(cls, config: dict | str | os.PathLike) -> "ModelConfig":
         """Read a Hugging Face config.json (a dict, the file, or the folder with it)."""
         generation, source = _Fields({}, "generation_config"), "config"
+        if not isinstance(config, (dict, str, os.PathLike)):
+            raise ValueError(f"config is a {type(config).__name__}; give a dict, "
+                             "a config.json or its folder")
         if not isinstance(config, dict):
             path = Path(config)
             path = path / "config.json" if path.is_dir() else path
@@ -165,7 +184,8 @@ def _parse_config(f: _Fields, generation: _Fields, cls=ModelConfig) -> ModelConf
         if not isinstance(part, dict):
             f.bad(name, part, "an object or null")
         rope.update(part)
-    rope_theta = _Fields(rope, f.source).number("rope_theta", f.get("rope_theta", 10000.0))
+    theta = f.get("rope_theta", 10000.0)  # the old place, or the default
+    rope_theta = _Fields(rope, f.source).number("rope_theta", theta)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         f.bad("rope_scaling type", rope_type, "'default' or 'llama3'")
@@ -215,7 +235,9 @@ def _parse_config(f: _Fields, generation: _Fields, cls=ModelConfig) -> ModelConf
 
 # %% ../chapters/02_naive_loop.ipynb #c014
 class RMSNorm(nn.Module):
-    """Scale each vector to unit root-mean-square, then by a learned weight (computed in float32)."""
+    """Scale each vector to unit root-mean-square, then by a learned weight.
+
+    Computed in float32 whatever the model's dtype."""
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -229,46 +251,52 @@ class RMSNorm(nn.Module):
 
 # %% ../chapters/02_naive_loop.ipynb #c017
 def rope_frequencies(config: ModelConfig) -> torch.Tensor:
-    """The rotation speed of each pair of channels: theta^(-2i/d), stretched for "llama3" scaling."""
+    """The rotation speed of each channel pair: theta^(-2i/d) ("llama3": stretched)."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     s = config.rope_scaling
     if s is None:
         return inv_freq
-    # Llama 3.1: slow (long-wavelength) channels are slowed down by `factor`, fast ones kept,
-    # and the ones in between are blended smoothly.
-    old_len = s["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / s["low_freq_factor"], old_len / s["high_freq_factor"]
+    # Llama 3.1: slow (long-wavelength) channels are slowed down by `factor`, fast ones
+    # are kept, and the ones in between are blended smoothly.
+    old_len, low, high = (s["original_max_position_embeddings"], s["low_freq_factor"],
+                          s["high_freq_factor"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
-    smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    smooth = (old_len / wavelen - low) / (high - low)
     blended = (1 - smooth) * scaled / s["factor"] + smooth * scaled
     middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(middle, blended, scaled)
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables [context_length, head_dim]; a forward only indexes them by position."""
+    """Precomputed cos/sin tables [context_length, head_dim]; forward indexes them."""
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.register_buffer("cos", torch.empty(config.context_length, config.head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(config.context_length, config.head_dim), persistent=False)
+        shape = (config.context_length, config.head_dim)
+        self.register_buffer("cos", torch.empty(shape), persistent=False)
+        self.register_buffer("sin", torch.empty(shape), persistent=False)
         self.reset_tables()
 
     def reset_tables(self) -> None:
         if self.cos.is_meta:
             return
         inv_freq = rope_frequencies(self.config).to(self.cos.device)
-        t = torch.arange(self.config.context_length, device=self.cos.device, dtype=torch.float32)
+        t = torch.arange(self.config.context_length, device=self.cos.device,
+                         dtype=torch.float32)
         angles = torch.outer(t, inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)  # the "rotate half" layout of Hugging Face
+        angles = torch.cat([angles, angles], dim=-1)  # HF's "rotate half" layout
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # [B, T] -> [B, 1, T, head_dim], ready to broadcast over the heads
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -282,47 +310,54 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # %% ../chapters/02_naive_loop.ipynb #c021
 class Attention(nn.Module):
-    """Grouped-query attention. K/V go through `kv` (the cache hook) when one is given."""
+    """Grouped-query attention. K/V go through `kv` (the cache hook) if one is given."""
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
+        self.n_heads, self.n_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = d = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.gqa = self.n_heads != self.n_kv_heads
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv=None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, head_dim]
+        # [B, heads, T, head_dim]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=self.gqa)
         else:
             k_all, v_all, mask = kv.update(self.layer_idx, k, v)
-            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                                 enable_gqa=self.gqa)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o_proj(out)
 
 # %% ../chapters/02_naive_loop.ipynb #c023
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -337,13 +372,16 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv=None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 # %% ../chapters/02_naive_loop.ipynb #c024
 class Transformer(nn.Module):
-    """Embedding -> layers -> final norm -> LM head. Module names follow the Hugging Face checkpoints."""
+    """Embedding -> layers -> final norm -> LM head.
+
+    The module names are those of the Hugging Face checkpoints."""
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -357,7 +395,8 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv=None,
                 last_only: bool = False) -> torch.Tensor:
-        """input_ids, positions: [B, T] -> logits [B, T, vocab] ([B, 1, vocab] with last_only)."""
+        """input_ids, positions: [B, T] -> logits [B, T, vocab] ([B, 1, vocab] with
+        last_only)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.layers:
@@ -367,10 +406,11 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
 # %% ../chapters/02_naive_loop.ipynb #c026
-def _resolve_folder(path: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a Hugging Face Hub repo id, downloaded when online."""
+def resolve_folder(path: str | os.PathLike) -> Path:
+    """A local folder as is; otherwise a Hugging Face Hub repo id, downloaded."""
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path is a {type(path).__name__}; give a folder or a Hub repo id")
+        raise ValueError(f"path is a {type(path).__name__}; give a folder or a Hub "
+                         "repo id")
     folder = Path(path).expanduser()
     if folder.is_dir():
         return folder
@@ -378,20 +418,20 @@ def _resolve_folder(path: str | os.PathLike) -> Path:
     looks_like_repo_id = (name.count("/") == 1 and not folder.exists()
                           and not name.startswith((".", "/", "~")))
     if not looks_like_repo_id:
-        raise FileNotFoundError(f"model folder {name!r} does not exist (expected a folder "
-                                "with config.json and *.safetensors, or a Hugging Face "
-                                "repo id like 'org/name')")
+        raise FileNotFoundError(f"model folder {name!r} does not exist (expected a "
+                                "folder with config.json and *.safetensors, or a "
+                                "Hugging Face repo id like 'org/name')")
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        raise FileNotFoundError(f"{name!r} is not a local folder, and HF_HUB_OFFLINE is set "
-                                "so it cannot be downloaded; pass a local folder or unset "
-                                "HF_HUB_OFFLINE")
+        raise FileNotFoundError(f"{name!r} is not a local folder, and HF_HUB_OFFLINE "
+                                "is set so it cannot be downloaded; pass a local "
+                                "folder or unset HF_HUB_OFFLINE")
     try:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
     except Exception as e:  # no network, unknown repo, gated repo ...
-        raise FileNotFoundError(f"could not download {name!r} from the Hugging Face Hub "
-                                f"({type(e).__name__}: {e}); are you offline? pass a local "
-                                "folder instead") from e
+        raise FileNotFoundError(f"could not download {name!r} from the Hugging Face "
+                                f"Hub ({type(e).__name__}: {e}); are you offline? pass "
+                                "a local folder instead") from e
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -401,12 +441,14 @@ def safetensors_files(folder: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map or not all(
                 isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"{index}: 'weight_map' must map tensor names to file names")
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to file "
+                             "names")
         for name in set(weight_map.values()):
             parts = PurePosixPath(name.replace("\\", "/")).parts
-            if not parts or name.startswith(("/", "\\")) or ".." in parts or ":" in name:
-                raise ValueError(f"{index} names the shard {name!r}, which is not a file "
-                                 f"inside {folder}")
+            outside = name.startswith(("/", "\\")) or ".." in parts or ":" in name
+            if not parts or outside:
+                raise ValueError(f"{index} names the shard {name!r}, which is not a "
+                                 f"file inside {folder}")
         files = [folder / n for n in sorted(set(weight_map.values()))]
     elif (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]
@@ -415,7 +457,8 @@ def safetensors_files(folder: Path) -> list[Path]:
                                 f"in {folder}")
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise FileNotFoundError(f"the checkpoint in {folder} lacks the shards {missing}")
+        raise FileNotFoundError(f"the checkpoint in {folder} lacks the shards "
+                                f"{missing}")
     return files
 
 # %% ../chapters/02_naive_loop.ipynb #c026h
@@ -425,14 +468,15 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")  # what the loader copies into the model
 
 
 def read_safetensors_header(file: Path) -> dict:
-    """{tensor name: {"dtype", "shape", "data_offsets"}} from a safetensors file's header,
-    after checking that the file holds every byte the header promises (a cut download)."""
+    """The header of a safetensors file: {name: {"dtype", "shape", "data_offsets"}}.
+
+    Checks that the file holds every byte the header promises (a download cut short)."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
         if not 0 < n <= size - 8:
-            raise ValueError(f"{file} is not a complete safetensors file ({size} bytes; "
-                             "truncated? download it again)")
+            raise ValueError(f"{file} is not a complete safetensors file "
+                             f"({size} bytes; truncated? download it again)")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -450,15 +494,16 @@ def read_safetensors_header(file: Path) -> dict:
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
-            raise ValueError(f"{file}: the header entry of {name!r} is malformed: {info}")
+            raise ValueError(f"{file}: the header entry of {name!r} is malformed: "
+                             f"{info}")
         if end > data_bytes:
-            raise ValueError(f"{file} is truncated: {name!r} ends at byte {end} of the data, "
-                             f"the file holds {data_bytes}; download it again")
+            raise ValueError(f"{file} is truncated: {name!r} ends at byte {end} of the "
+                             f"data, the file holds {data_bytes}; download it again")
     return header
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """None -> cuda if available, else cpu. A device this machine lacks -> ValueError."""
+    """None -> cuda if available, else cpu. A device this machine lacks: ValueError."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -472,17 +517,19 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
             raise ValueError(f"device={device!r}, but torch sees no CUDA GPU here "
                              "(torch.cuda.is_available() is False); use 'cpu'")
         if dev.index is not None and dev.index >= n:
-            raise ValueError(f"device={device!r}: there is no GPU {dev.index}; torch sees "
-                             f"{n} (cuda:0 to cuda:{n - 1})")
+            raise ValueError(f"device={device!r}: there is no GPU {dev.index}; torch "
+                             f"sees {n} (cuda:0 to cuda:{n - 1})")
     elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device={device!r}, but MPS (Apple GPU) is not available here")
+        raise ValueError(f"device={device!r}, but MPS (Apple GPU) is not available")
     elif dev.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"device={device!r}: allowed are 'cpu', 'cuda', 'cuda:N' and 'mps'")
+        raise ValueError(f"device={device!r}: allowed are 'cpu', 'cuda', 'cuda:N' "
+                         "and 'mps'")
     return dev
 
 
 def _check_dtype(dtype, device: torch.device) -> torch.dtype:
-    """The dtype to load in (a torch dtype or its name); ValueError if the device lacks it."""
+    """The dtype to load in (a torch dtype or its name); ValueError if the device
+    cannot compute in it."""
     name = str(dtype).removeprefix("torch.")
     if name not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype {dtype} is not supported; use torch.float32, "
@@ -503,7 +550,7 @@ def _check_dtype(dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 # %% ../chapters/02_naive_loop.ipynb #c026b
-_IGNORED_KEYS = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; we compute them
+_IGNORED_KEYS = ("rotary_emb.inv_freq",)  # old checkpoints saved it; we compute it
 
 
 def _plan(files: list[Path], model: Transformer) -> dict[Path, list[str]]:
@@ -520,13 +567,15 @@ def _plan(files: list[Path], model: Transformer) -> dict[Path, list[str]]:
                 raise ValueError(f"{file.name} holds {key!r}, which a "
                                  f"{model.config.model_type} Transformer does not have")
             if name in seen:
-                raise ValueError(f"{key!r} is in two shards: {seen[name]} and {file.name}")
+                raise ValueError(f"{key!r} is in two shards: {seen[name]} and "
+                                 f"{file.name}")
             if tuple(info["shape"]) != tuple(params[name].shape):
-                raise ValueError(f"{key!r} has shape {tuple(info['shape'])} in {file.name}, "
-                                 f"the config says {tuple(params[name].shape)}")
+                raise ValueError(f"{key!r} has shape {tuple(info['shape'])} in "
+                                 f"{file.name}, the config says "
+                                 f"{tuple(params[name].shape)}")
             if info["dtype"] not in FLOAT_DTYPES:
-                raise ValueError(f"{key!r} is {info['dtype']} in {file.name}; this loader "
-                                 f"reads {FLOAT_DTYPES} (no quantized checkpoints)")
+                raise ValueError(f"{key!r} is {info['dtype']} in {file.name}; this "
+                                 f"loader reads {FLOAT_DTYPES} (no quantized weights)")
             seen[name] = file.name
             plan[file].append(key)
     missing = sorted(set(params) - set(seen))
@@ -538,7 +587,7 @@ def _plan(files: list[Path], model: Transformer) -> dict[Path, list[str]]:
 # %% ../chapters/02_naive_loop.ipynb #c026c
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                device: str | torch.device | None = None) -> Transformer:
-    """Load a Hugging Face Llama/Mistral/Qwen2/Qwen3 checkpoint (safetensors), in eval mode.
+    """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint (HF safetensors), in eval mode.
 
     Everything is checked first (config, files, names, shapes, device, dtype). Then the
     model is built on the meta device (no memory), given empty storage on `device`, and
@@ -550,7 +599,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
     device = resolve_device(device)
     if dtype is not None:
         dtype = _check_dtype(dtype, device)
-    folder = _resolve_folder(path)
+    folder = resolve_folder(path)
     config = ModelConfig.from_hf(folder)
     files = safetensors_files(folder)
     if dtype is None:  # float32 on CPU; on a GPU the checkpoint's own dtype
@@ -566,7 +615,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
         model = Transformer(config)
     plan = _plan(files, model)  # every check passed: now allocate and read
     model = model.to(dtype=dtype).to_empty(device=device)  # storage, not initialised
-    if config.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
+    if config.tie_word_embeddings:  # to_empty gave each its own tensor: tie again
         model.lm_head.weight = model.embed_tokens.weight
     model.rope.reset_tables()
 
@@ -576,7 +625,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for key in plan[file]:
-                    with torch.no_grad():  # copy_ converts the dtype, moves to the device
+                    with torch.no_grad():  # copy_ converts the dtype and the device
                         params[key.removeprefix("model.")].copy_(f.get_tensor(key))
         except SafetensorError as e:
             raise ValueError(f"{file} cannot be read ({e})") from None

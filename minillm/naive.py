@@ -22,8 +22,8 @@ def _as_id_list(prompt_ids) -> list:
             raise ValueError(f"prompt_ids cannot be read as token ids ({e})") from None
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() != 1:
-            raise ValueError(f"prompt_ids has shape {tuple(prompt_ids.shape)}; give one "
-                             "prompt, a 1-D sequence of ids (of a [1, T] batch: ids[0])")
+            raise ValueError(f"prompt_ids has shape {tuple(prompt_ids.shape)}; give "
+                             "one prompt, a 1-D sequence (of a [1, T] batch: ids[0])")
         if prompt_ids.is_floating_point() or prompt_ids.is_complex() \
                 or prompt_ids.dtype == torch.bool:
             raise ValueError(f"prompt_ids has dtype {prompt_ids.dtype}; "
@@ -36,15 +36,16 @@ def _as_id_list(prompt_ids) -> list:
 
 
 def check_prompt(model, prompt_ids, params: SamplingParams) -> list[int]:
-    """Reject what cannot run, before any forward pass: returns the prompt as a list of ints."""
+    """Reject what cannot run, before any forward pass. Returns the prompt ids."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params is a {type(params).__name__}; give a SamplingParams")
     ids = _as_id_list(prompt_ids)
     if not ids:
-        raise ValueError("the prompt is empty; give at least one token id (e.g. the BOS token)")
+        raise ValueError("the prompt is empty; give at least one token id "
+                         "(e.g. the BOS token)")
     vocab = model.config.vocab_size
-    is_id = [isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab
-             for t in ids]
+    is_id = [isinstance(t, numbers.Integral) and not isinstance(t, bool)
+             and 0 <= t < vocab for t in ids]
     if not all(is_id):
         bad = [t for t, ok in zip(ids, is_id) if not ok]
         raise ValueError(f"prompt ids {bad[:5]!r:.200} are not token ids; "
@@ -55,14 +56,16 @@ def check_prompt(model, prompt_ids, params: SamplingParams) -> list[int]:
                          f"[0, {vocab}): they can never be generated")
     context = model.config.context_length
     if len(ids) + params.max_new_tokens > context:
+        total = len(ids) + params.max_new_tokens
         raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
-                         f"({params.max_new_tokens}) = {len(ids) + params.max_new_tokens} "
-                         f"exceeds the model's context of {context} tokens")
+                         f"({params.max_new_tokens}) = {total} exceeds the model's "
+                         f"context of {context} tokens")
     return [int(t) for t in ids]
 
 
 def stop_ids(model, params: SamplingParams) -> set[int]:
-    """The ids that end generation: the model's EOS (unless ignore_eos), params.stop_token_ids."""
+    """The ids that end generation: the model's EOS (unless ignore_eos) and
+    params.stop_token_ids."""
     eos = set() if params.ignore_eos else set(model.config.eos_token_ids)
     return eos | set(params.stop_token_ids)
 
@@ -74,15 +77,16 @@ def naive_generate(model, prompt_ids, params: SamplingParams | None = None,
                    tokenizer=None) -> list[int]:
     """Generate by running the WHOLE sequence through the model for every new token.
 
-    Returns the new token ids only, including the token that stopped generation (EOS, a
-    stop id, or the token that completed a stop string). Stop strings need `tokenizer`
-    (anything with .decode(list[int]) -> str): the new tokens are decoded after each step.
+    Returns the new token ids only, including the token that stopped generation (EOS,
+    a stop id, or the token that completed a stop string). Stop strings need
+    `tokenizer` (anything with .decode(list[int]) -> str): the new tokens are decoded
+    after each step.
     """
     params = SamplingParams() if params is None else params
     ids = check_prompt(model, prompt_ids, params)
-    if params.stop and tokenizer is None:
-        raise ValueError(f"stop={params.stop} needs a tokenizer to decode the text; "
-                         "pass tokenizer=...")
+    if params.stop and not callable(getattr(tokenizer, "decode", None)):
+        raise ValueError(f"stop={params.stop} needs a tokenizer with .decode(ids) to "
+                         f"read the text; got tokenizer={tokenizer!r:.60}")
     device = model.embed_tokens.weight.device
     generator = make_generator(params, device)
     stop = stop_ids(model, params)

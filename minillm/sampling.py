@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-MIN_TEMPERATURE = MIN_PENALTY = 0.01  # smaller values overflow float32 logits (inf, NaN)
+MIN_TEMPERATURE = MIN_PENALTY = 0.01  # smaller ones overflow float32 logits (inf)
 MAX_TEMPERATURE = MAX_PENALTY = 100.0
 
 
@@ -57,13 +57,15 @@ class SamplingParams:
     def __post_init__(self):
         def bad(name, allowed):
             value = getattr(self, name)
-            raise ValueError(f"{name}={value!r} is not allowed; {name} must be {allowed}")
+            raise ValueError(f"{name}={value!r} is not allowed; "
+                             f"{name} must be {allowed}")
         def put(name, value):  # a frozen dataclass sets its fields through object
             object.__setattr__(self, name, value)
 
         t = self.temperature
         if not _real(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
-            bad("temperature", f"0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
+            bad("temperature",
+                f"0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
         if not _int(self.top_k) or self.top_k < 0:
             bad("top_k", "an int >= 0 (0 = off)")
         if not _real(self.top_p) or not 0 < self.top_p <= 1:
@@ -100,7 +102,9 @@ class SamplingParams:
 
 def make_generator(params: SamplingParams,
                    device: torch.device | str = "cpu") -> torch.Generator | None:
-    """One random generator per request, seeded from params.seed (None: torch's global RNG)."""
+    """One random generator per request, seeded from params.seed.
+
+    None when the seed is None: then torch's global random generator is used."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params is a {type(params).__name__}; give a SamplingParams")
     if params.seed is None:
@@ -109,7 +113,7 @@ def make_generator(params: SamplingParams,
 
 # %% ../chapters/02_naive_loop.ipynb #c038
 def _rows(x, B: int, name: str) -> list:
-    """One value per row: broadcast a single value, or check that a list has B entries."""
+    """One value per row: broadcast one value, or check that a list has B entries."""
     if isinstance(x, torch.Tensor) and x.dim() == 2:  # prev_ids as a [B, L] tensor
         x = list(x)
     one_list = name == "prev_ids" and isinstance(x, (list, tuple)) and len(x) > 0 \
@@ -121,21 +125,25 @@ def _rows(x, B: int, name: str) -> list:
     return list(x)
 
 
-def apply_repetition_penalty(logits: torch.Tensor, penalty: float, prev_ids) -> torch.Tensor:
-    """Make the tokens in prev_ids less likely: divide positive logits, multiply negative ones.
+def apply_repetition_penalty(logits: torch.Tensor, penalty: float,
+                             prev_ids) -> torch.Tensor:
+    """Make the tokens in prev_ids less likely: divide positive logits, multiply
+    negative ones.
 
-    prev_ids must be token ids; `sample` and `filter_logits` check them. Ids outside the
-    vocabulary are clamped here, so that a bad id cannot crash a GPU kernel before the check.
+    prev_ids must be token ids; `sample` and `filter_logits` check them. Ids outside
+    the vocabulary are clamped here, so a bad id cannot crash a GPU kernel first.
     """
     if penalty == 1.0 or prev_ids is None or len(prev_ids) == 0:
         return logits
     ids = torch.as_tensor(prev_ids, device=logits.device).long()
     ids = ids.clamp(0, logits.shape[-1] - 1).unique()
     seen = logits.index_select(-1, ids)
-    return logits.index_copy(-1, ids, torch.where(seen < 0, seen * penalty, seen / penalty))
+    penalized = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return logits.index_copy(-1, ids, penalized)
 
 # %% ../chapters/02_naive_loop.ipynb #c038b
-def _filter(logits: torch.Tensor, params: list[SamplingParams], prev_ids: list) -> torch.Tensor:
+def _filter(logits: torch.Tensor, params: list[SamplingParams],
+            prev_ids: list) -> torch.Tensor:
     """filter_logits without the checks: logits [B, V] float32, one params per row."""
     if any(p.repetition_penalty != 1.0 for p in params):
         logits = torch.stack([apply_repetition_penalty(logits[i], p.repetition_penalty,
@@ -156,7 +164,7 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams], prev_ids: list) 
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Both filters on one sort. Ties go to the lower token id: top-k keeps exactly k."""
+    """Both filters on one sort. Ties go to the lower id: top-k keeps exactly k."""
     B, V = logits.shape
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(V, device=logits.device)
@@ -166,7 +174,7 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     top_p = [p.top_p if p.top_p < 1.0 and not p.greedy else 2.0 for p in params]
     top_p = torch.tensor(top_p, device=logits.device)[:, None]
     probs = sorted_logits.softmax(-1)
-    mass_before = probs.cumsum(-1) - probs  # the mass of all tokens ranked above this one
+    mass_before = probs.cumsum(-1) - probs  # the mass of the tokens ranked above
     drop = (mass_before >= top_p) & (rank > 0)  # keep the token that crosses top_p,
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))  # and the best one
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
@@ -176,9 +184,9 @@ class NonFiniteLogitsError(ValueError):
     """The logits hold NaN or inf: no token can be chosen from them."""
 
 
-def _check_inputs(logits, params, prev_ids) -> tuple[torch.Tensor, list, list, list]:
-    """Check what needs no look at the device; return logits [B, V], params per row,
-    prev_ids per row, and device-side checks of prev_ids tensors (flag, tensor) for later."""
+def _check_inputs(logits, params, prev_ids, check: bool = True) -> tuple:
+    """Check what needs no look at the device. Returns logits [B, V], params per row,
+    prev_ids per row, and the device-side checks of prev_ids tensors (flag, tensor)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() not in (1, 2) \
             or not logits.is_floating_point() or logits.shape[-1] == 0:
         what = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
@@ -188,13 +196,15 @@ def _check_inputs(logits, params, prev_ids) -> tuple[torch.Tensor, list, list, l
     rows = _rows(params, B, "params")
     if not all(isinstance(p, SamplingParams) for p in rows):
         kinds = sorted({type(p).__name__ for p in rows})
-        raise ValueError(f"params holds {kinds}; give a SamplingParams (or one per row)")
+        raise ValueError(f"params holds {kinds}; give a SamplingParams "
+                         "(or one per row)")
     if hasattr(prev_ids, "__array__") and not isinstance(prev_ids, torch.Tensor):
         try:  # a numpy array
             prev_ids = torch.as_tensor(prev_ids)
         except (TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"prev_ids cannot be read as token ids ({e})") from None
-    return logits2d, rows, _rows(prev_ids, B, "prev_ids"), _check_ids(prev_ids, V)
+    id_checks = _check_ids(prev_ids, V) if check else []
+    return logits2d, rows, _rows(prev_ids, B, "prev_ids"), id_checks
 
 
 def _check_ids(ids, V: int) -> list:
@@ -205,8 +215,8 @@ def _check_ids(ids, V: int) -> list:
     if isinstance(ids, torch.Tensor):
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool \
                 or ids.dim() not in (1, 2):
-            raise ValueError(f"prev_ids is a {ids.dtype} tensor of shape {tuple(ids.shape)};"
-                             " allowed: int token ids, [L] or [B, L]")
+            raise ValueError(f"prev_ids is a {ids.dtype} tensor of shape "
+                             f"{tuple(ids.shape)}; allowed: int ids, [L] or [B, L]")
         if ids.numel() == 0:
             return []
         return [((ids.min() < 0) | (ids.max() >= V), ids)]
@@ -219,12 +229,13 @@ def _check_ids(ids, V: int) -> list:
         elif not _int(t) or not 0 <= t < V:
             bad.append(t)
     if bad:
-        raise ValueError(f"prev_ids {bad[:5]} are not token ids; allowed: ints in [0, {V})")
+        raise ValueError(f"prev_ids {bad[:5]} are not token ids; "
+                         f"allowed: ints in [0, {V})")
     return checks
 
 
 def _raise_if_bad(ok: torch.Tensor, id_checks: list, logits2d: torch.Tensor) -> None:
-    """The one look at the device's results (a sync): were the logits finite, the ids valid?"""
+    """The one look at the device's results (a sync): finite logits? valid ids?"""
     flags = [~ok.all()] + [flag.to(ok.device) for flag, _ in id_checks]
     if not torch.stack(flags).any().item():
         return
@@ -234,7 +245,8 @@ def _raise_if_bad(ok: torch.Tensor, id_checks: list, logits2d: torch.Tensor) -> 
         why = ("the sampling filters left no finite logit" if raw_ok else
                "the model produced NaN or inf: broken weights (check torch.isfinite on "
                "each parameter), or float16 overflow (try bfloat16 or float32)")
-        raise NonFiniteLogitsError(f"no token can be chosen for row(s) {bad_rows[:8]}: {why}")
+        raise NonFiniteLogitsError(f"no token can be chosen for row(s) {bad_rows[:8]}: "
+                                   f"{why}")
     V = logits2d.shape[-1]
     bad = torch.cat([t.flatten() for _, t in id_checks])
     bad = bad[(bad < 0) | (bad >= V)].unique()[:5].tolist()
@@ -246,9 +258,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams | list[SamplingPa
     """Apply repetition penalty, temperature, top-k, top-p and min-p, in that order
     (the order of transformers).
 
-    logits: [V] or [B, V]; params: one SamplingParams or one per row; prev_ids: the tokens
-    seen so far (one list for all rows, or one per row). Returns float32 logits where the
-    dropped tokens are -inf; their softmax is the distribution `sample` draws from.
+    logits: [V] or [B, V]; params: one SamplingParams or one per row; prev_ids: the
+    tokens seen so far (one list for all rows, or one per row). Returns float32 logits
+    where the dropped tokens are -inf; their softmax is what `sample` draws from.
     Greedy rows only get the penalty.
     """
     logits2d, rows, prev_rows, id_checks = _check_inputs(logits, params, prev_ids)
@@ -260,16 +272,17 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams | list[SamplingPa
 def sample(logits: torch.Tensor, params: SamplingParams | list[SamplingParams],
            generators: torch.Generator | list[torch.Generator | None] | None = None,
            prev_ids=None, check: bool = True) -> torch.Tensor:
-    """Pick one token per row of logits [B, V] (or [V]). Returns a LongTensor [B] (or 0-d).
+    """Pick one token per row of logits [B, V] (or [V]): a LongTensor [B] (or 0-d).
 
-    Each row may have its own SamplingParams, its own generator (for reproducible seeds)
-    and its own previous tokens (for the repetition penalty). Greedy rows take the argmax.
-    NaN/inf logits raise NonFiniteLogitsError, prev_ids outside the vocabulary ValueError;
-    these checks wait for the device once per call (check=False skips them).
+    Each row may have its own SamplingParams, its own generator (for reproducible
+    seeds) and its own previous tokens (for the repetition penalty). Greedy rows take
+    the argmax. NaN/inf logits raise NonFiniteLogitsError, prev_ids outside the
+    vocabulary ValueError; these checks wait for the device once (check=False: none).
     """
-    logits2d, rows, prev_rows, id_checks = _check_inputs(logits, params, prev_ids)
+    logits2d, rows, prev_rows, id_checks = _check_inputs(logits, params, prev_ids,
+                                                         check)
     if all(p.greedy and p.repetition_penalty == 1.0 for p in rows):
-        best, ids = logits2d.max(-1)  # the fast path: nothing to filter, nothing to draw
+        best, ids = logits2d.max(-1)  # fast path: nothing to filter, nothing to draw
         if check:  # max() propagates NaN, so `best` is finite only if the row is
             _raise_if_bad(torch.isfinite(best), id_checks, logits2d)
         return ids[0] if logits.dim() == 1 else ids
@@ -277,7 +290,8 @@ def sample(logits: torch.Tensor, params: SamplingParams | list[SamplingParams],
     best, ids = filtered.max(-1)
     if check:
         raw_best = logits2d.amax(-1)
-        _raise_if_bad(torch.isfinite(best) & torch.isfinite(raw_best), id_checks, logits2d)
+        ok = torch.isfinite(best) & torch.isfinite(raw_best)
+        _raise_if_bad(ok, id_checks, logits2d)
     if not all(p.greedy for p in rows):
         probs = filtered.softmax(-1)  # float32
         generators = _rows(generators, len(rows), "generators")

@@ -7,13 +7,17 @@ import statistics
 import time
 from typing import Callable
 
-import torch
-
 from .utils import synchronize
 
 
-def median_time(fn: Callable[[], object], device="cpu", warmup: int = 1, repeats: int = 5) -> float:
-    """Median wall time of fn() in seconds: warm up, synchronize the device around each call, repeat."""
+def median_time(fn: Callable[[], object], device="cpu", warmup: int = 1,
+                repeats: int = 5) -> float:
+    """Median wall time of fn() in seconds: warm up, then repeat, and synchronize the
+    device around each call (GPU work is asynchronous)."""
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r}: give an int >= 0")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: give an int >= 1")
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -26,9 +30,11 @@ def median_time(fn: Callable[[], object], device="cpu", warmup: int = 1, repeats
     return statistics.median(times)
 
 
-def time_per_token(step_fn: Callable[[int], object], positions, device="cpu", warmup: int = 1,
-                   repeats: int = 5, progress: bool = True) -> list[float]:
-    """For each position n, the median seconds of step_fn(n): the work to produce the token at position n."""
+def time_per_token(step_fn: Callable[[int], object], positions, device="cpu",
+                   warmup: int = 1, repeats: int = 5,
+                   progress: bool = True) -> list[float]:
+    """For each position n, the median seconds of step_fn(n): the work to produce the
+    token at position n."""
     from tqdm.auto import tqdm
     positions = list(positions)
     return [median_time(lambda: step_fn(n), device, warmup, repeats)

@@ -429,3 +429,19 @@ def test_dtype_by_name(tmp_path):
 def test_path_must_be_a_path(path):
     with pytest.raises(ValueError, match="path is a"):
         load_model(path, device="cpu")
+
+
+@pytest.mark.parametrize("field, value", [("head_dim", 15), ("num_kv_heads", 5), ("rope_theta", 0.0),
+                                          ("rms_norm_eps", -1.0), ("eos_token_ids", [40000]),
+                                          ("vocab_size", 0), ("max_position_embeddings", 0),
+                                          ("sliding_window", 0), ("bos_token_id", -1)])
+def test_model_config_built_by_hand_is_checked_too(field, value):
+    with pytest.raises(ValueError) as info:
+        ModelConfig(**{field: value})
+    assert f"{field}={value!r}" in str(info.value)
+
+
+@pytest.mark.parametrize("config", [[1, 2], 3, None])
+def test_from_hf_needs_a_dict_or_a_path(config):
+    with pytest.raises(ValueError, match=type(config).__name__):
+        ModelConfig.from_hf(config)

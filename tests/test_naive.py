@@ -80,6 +80,8 @@ def test_stop_strings_need_and_use_a_tokenizer(tiny):
     assert target in LetterTokenizer().decode(out) and target not in LetterTokenizer().decode(out[:-1])
     with pytest.raises(ValueError, match="tokenizer"):
         naive_generate(model, [1, 5], params)
+    with pytest.raises(ValueError, match="tokenizer='abc'"):
+        naive_generate(model, [1, 5], params, tokenizer="abc")  # has no .decode
 
 
 def test_seeded_sampling_reproduces(tiny):
@@ -172,6 +174,15 @@ def test_median_time_warms_up_repeats_and_takes_the_median(monkeypatch):
         clock.now += next(costs)
     assert median_time(work, warmup=2, repeats=3) == 2.0
     assert len(calls) == 5
+
+
+@pytest.mark.parametrize("kw, shown", [(dict(repeats=0), "repeats=0"), (dict(warmup=-1), "warmup=-1"),
+                                       (dict(repeats=2.0), "repeats=2.0"), (dict(warmup=True), "warmup=True")])
+def test_median_time_rejects_bad_counts(kw, shown):
+    calls = []
+    with pytest.raises(ValueError, match=re.escape(shown)):
+        median_time(lambda: calls.append(1), **kw)
+    assert calls == []
 
 
 def test_time_per_token_times_each_position(monkeypatch):
