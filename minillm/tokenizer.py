@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 
 # %% auto #0
 __all__ = ['LLAMA3_PATTERN', 'QWEN2_PATTERN', 'GPT2_PATTERN', 'BYTE_TO_CHAR', 'CHAR_TO_BYTE', 'SPACE_MARK', 'BYTE_LEVEL_DECODER',
-           'split_isolated', 'bytes_to_unicode', 'to_byte_chars', 'from_byte_chars', 'merge_pair', 'learn_merges',
-           'TokenizerFileError', 'Tokenizer', 'IncrementalDecoder']
+           'LLAMA_CLASSES', 'split_isolated', 'bytes_to_unicode', 'to_byte_chars', 'from_byte_chars', 'merge_pair',
+           'learn_merges', 'TokenizerFileError', 'Tokenizer', 'IncrementalDecoder']
 
 # %% ../chapters/01_tokenizer.ipynb #c012
 # Pre-tokenizer regexes. Each match is one "pre-token"; BPE never merges across them.
@@ -945,6 +945,26 @@ def _read_tokenizer_json(spec) -> dict:
                 prefix_tokens=prefix, suffix_tokens=suffix)
 
 # %% ../chapters/01_tokenizer.ipynb #c036c
+LLAMA_CLASSES = {"LlamaTokenizer", "LlamaTokenizerFast"}
+
+
+def _llama_class_rules(args: dict, config: dict) -> dict:
+    """`transformers` (v5) builds Llama's text steps itself instead of reading the
+    file's: no normalizer, and a Metaspace pre-tokenizer whose '▁' in front depends on
+    the config's `legacy` and `add_prefix_space`. We do the same, to give its ids."""
+    if config.get("tokenizer_class") not in LLAMA_CLASSES or not args["byte_fallback"]:
+        return args
+    prefix = config.get("add_prefix_space") is not False
+    scheme = ("always" if config.get("legacy") else "first") if prefix else "never"
+    decoders = [{"type": "Replace", "pattern": {"String": SPACE_MARK}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"}]
+    if prefix:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    pre = {"type": "Metaspace", "replacement": SPACE_MARK, "prepend_scheme": scheme,
+           "split": False}
+    return dict(args, normalizers=[], pre_tokenizers=[pre], decoders=decoders)
+
+
 @classmethod
 def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
     """Load a `tokenizer.json` (a file, or the folder that holds it), with the BOS, EOS
@@ -962,6 +982,7 @@ def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
         if not isinstance(config, dict):
             raise ValueError(f"{config_path.name} holds {type(config).__name__}, "
                              "not a JSON object")
+        args = _llama_class_rules(args, config)
         prefix, special = args["prefix_tokens"], args["special"]
         names = [_token_content(config.get(k)) for k in ("bos_token", "eos_token",
                                                          "pad_token")]

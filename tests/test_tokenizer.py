@@ -560,3 +560,23 @@ def test_save_and_load_keeps_a_sentencepiece_tokenizer(sentencepiece, tmp_path):
     reloaded_rust = RustTokenizer.from_file(str(tmp_path / "again" / "tokenizer.json"))
     for text in SP_SUITE:
         assert again.encode(text) == ours.encode(text) == reloaded_rust.encode(text).ids
+
+
+@pytest.mark.parametrize("config", [
+    {"tokenizer_class": "LlamaTokenizerFast"}, {"tokenizer_class": "LlamaTokenizer", "legacy": True},
+    {"tokenizer_class": "LlamaTokenizer", "legacy": False},
+    {"tokenizer_class": "LlamaTokenizer", "add_prefix_space": False},
+    {"tokenizer_class": "PreTrainedTokenizerFast"}, {}])
+def test_sentencepiece_same_ids_as_transformers(tmp_path, config):
+    """transformers rebuilds the text steps of Llama's tokenizer classes (from `legacy` and
+    `add_prefix_space`), and uses the file as it is for the others; we follow it."""
+    folder = _write(tmp_path / "llama2", sentencepiece_spec("llama2"),
+                    {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", **config})
+    ours, hf = Tokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    assert (ours.bos_token_id, ours.eos_token_id) == (hf.bos_token_id, hf.eos_token_id) == (1, 2)
+    for text in SP_SUITE + ["  lead", "<s> x"]:
+        for add in (True, False):
+            ids = ours.encode(text, add_special_tokens=add)
+            assert ids == hf(text, add_special_tokens=add)["input_ids"], (text, add)
+            for skip in (True, False):
+                assert ours.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip), text
