@@ -4,8 +4,10 @@ On Colab a reader opens a chapter from the launch button and runs the setup cell
 `google.colab` imported, it clones the book's repository and runs `pip install -e
 <clone>[colab]` next to Colab's own PyTorch. Here:
 
-- a fresh virtual environment holds only torch (as pinned in constraints.txt) and
-  ipykernel, as Colab has them;
+- a fresh virtual environment holds only torch and ipykernel, as Colab has them (torch
+  and its dependencies are linked from the environment running the test, which has the
+  version pinned in constraints.txt: the same files pip would unpack, without ~1 GB of
+  copying);
 - a stub `google.colab` module is imported when the kernel starts, so the setup cell
   takes its Colab branch;
 - the repository is a local `git clone` of this one (what was committed, as on GitHub;
@@ -46,6 +48,36 @@ def torch_pin() -> str:
     return re.search(r"^torch==(\S+)", text, re.M).group(0)
 
 
+def link_installed(name: str, site: Path) -> list[str]:
+    """Make distribution `name` and what it requires (no extras) installed in `site`,
+    by symlinking the files of this environment's installation."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    todo, done = [name], []
+    while todo:
+        try:
+            dist = distribution(todo.pop())
+        except PackageNotFoundError:
+            continue
+        key = dist.metadata["Name"].lower().replace("_", "-")
+        if key in done:
+            continue
+        done.append(key)
+        for file in dist.files or []:
+            if file.parts[0] == "..":  # console scripts in bin/: not needed
+                continue
+            target = site / file
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.exists():
+                target.symlink_to(Path(dist.locate_file(file)).resolve())
+        for req in map(Requirement, dist.requires or []):
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return done
+
+
 def run(*cmd, **kw):
     result = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
     assert result.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{result.stderr[-3000:]}"
@@ -60,8 +92,13 @@ def colab(tmp_path_factory):
     content.mkdir()
     venv.create(env_dir, with_pip=True)
     py = env_dir / "bin" / "python"
-    run(py, "-m", "pip", "install", "-q", torch_pin(), "ipykernel")
     site = Path(run(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
+    import torch
+
+    assert torch_pin() == f"torch=={torch.__version__.split('+')[0]}", \
+        f"this environment has torch {torch.__version__}, constraints.txt pins {torch_pin()}"
+    link_installed("torch", site)
+    run(py, "-m", "pip", "install", "-q", "ipykernel")
     stub = site / "google" / "colab"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text('"""A stand-in for Colab\'s module (tests only)."""\n')
