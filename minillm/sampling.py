@@ -116,8 +116,8 @@ def _rows(x, B: int, name: str) -> list:
     """One value per row: broadcast one value, or check that a list has B entries."""
     if isinstance(x, torch.Tensor) and x.dim() == 2:  # prev_ids as a [B, L] tensor
         x = list(x)
-    one_list = name == "prev_ids" and isinstance(x, (list, tuple)) and len(x) > 0 \
-        and not isinstance(x[0], (list, tuple, torch.Tensor))
+    one_list = name == "prev_ids" and isinstance(x, (list, tuple)) and (
+        len(x) == 0 or not isinstance(x[0], (list, tuple, torch.Tensor)))
     if one_list or not isinstance(x, (list, tuple)):
         return [x] * B  # the same value for every row
     if len(x) != B:

@@ -263,6 +263,13 @@ def test_bad_logits(logits, shown):
         sample(logits, SamplingParams())
 
 
+@pytest.mark.parametrize("empty", [[], (), torch.tensor([], dtype=torch.long), [[], []]])
+def test_empty_prev_ids_mean_no_history(empty):
+    logits = torch.randn(2, V)
+    p = SamplingParams(temperature=0, repetition_penalty=1.5)
+    assert torch.equal(sample(logits, p, prev_ids=empty), logits.argmax(-1))
+
+
 def test_params_must_be_sampling_params():
     with pytest.raises(ValueError, match="dict"):
         sample(torch.randn(V), {"temperature": 0})
