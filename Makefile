@@ -37,7 +37,8 @@ $(LAB_STAMP): $(STAMP)
 	touch $(LAB_STAMP)
 
 lab: $(LAB_STAMP)  ## open the chapter notebooks in JupyterLab (installs it into .venv once)
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/chapters
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/chapters \
+	    $(if $(filter 0,$(shell id -u)),--allow-root)
 
 export: $(STAMP)  ## notebooks -> minillm/ (nbdev export)
 	$(PY) tools/export.py
