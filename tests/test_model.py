@@ -7,36 +7,14 @@ import pytest
 import torch
 import transformers
 
+from conftest import FAMILIES, TINY, make_hf_model
 from minillm.model import ModelConfig, Transformer, load_model
 
 torch.set_num_threads(1)
 
-TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
-FAMILIES = {
-    "llama_gqa_untied": ("LlamaConfig", dict(tie_word_embeddings=False)),
-    "llama3_rope_scaling": ("LlamaConfig", dict(rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-        high_freq_factor=4.0, original_max_position_embeddings=32))),
-    "llama_attention_bias": ("LlamaConfig", dict(attention_bias=True)),
-    "mistral": ("MistralConfig", dict(sliding_window=64)),
-    "qwen2_bias_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
-    "qwen3_qk_norm": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
-}
-
-
-def make_hf(family: str, folder, **shard):
-    cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    config = getattr(transformers, cls)(**TINY, **extra)
-    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():  # random norms and biases, so a missed weight shows
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
-    hf.save_pretrained(folder, **shard)
-    return hf
+def make_hf(family: str, folder, **save):
+    return make_hf_model(folder, family, "random_norms", save=save)
 
 
 def hf_logits(hf, ids):

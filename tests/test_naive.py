@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import hf_greedy, make_model_pair
 from minillm.model import load_model
 from minillm.naive import naive_generate
 from minillm.sampling import NonFiniteLogitsError, SamplingParams
@@ -19,20 +20,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    hf.save_pretrained(folder)
-    return hf, load_model(folder, device="cpu")
-
-
-def hf_greedy(hf, prompt, n, **kw):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, pad_token_id=0, **kw)
-    return out[0, len(prompt):].tolist()
+    return make_model_pair(tmp_path_factory.mktemp("tiny"), "llama_gqa_untied", "init",
+                           vocab_size=97, intermediate_size=128, max_position_embeddings=64)
 
 
 @pytest.mark.parametrize("prompt", [[1], [1, 50, 3, 77, 8], list(range(5, 30))])
