@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 
 # %% auto #0
 __all__ = ['LLAMA3_PATTERN', 'QWEN2_PATTERN', 'GPT2_PATTERN', 'BYTE_TO_CHAR', 'CHAR_TO_BYTE', 'SPACE_MARK', 'BYTE_LEVEL_DECODER',
-           'LLAMA_CLASSES', 'split_isolated', 'bytes_to_unicode', 'to_byte_chars', 'from_byte_chars', 'merge_pair',
-           'learn_merges', 'TokenizerFileError', 'Tokenizer', 'IncrementalDecoder']
+           'split_isolated', 'bytes_to_unicode', 'to_byte_chars', 'from_byte_chars', 'merge_pair', 'learn_merges',
+           'TokenizerFileError', 'Tokenizer', 'IncrementalDecoder']
 
 # %% ../chapters/01_tokenizer.ipynb #c012
 # Pre-tokenizer regexes. Each match is one "pre-token"; BPE never merges across them.
@@ -945,24 +945,48 @@ def _read_tokenizer_json(spec) -> dict:
                 prefix_tokens=prefix, suffix_tokens=suffix)
 
 # %% ../chapters/01_tokenizer.ipynb #c036c
-LLAMA_CLASSES = {"LlamaTokenizer", "LlamaTokenizerFast"}
+def _split(pattern: str) -> dict:
+    return {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+            "invert": False}
 
 
-def _llama_class_rules(args: dict, config: dict) -> dict:
-    """`transformers` (v5) builds Llama's text steps itself instead of reading the
-    file's: no normalizer, and a Metaspace pre-tokenizer whose '▁' in front depends on
-    the config's `legacy` and `add_prefix_space`. We do the same, to give its ids."""
-    if config.get("tokenizer_class") not in LLAMA_CLASSES or not args["byte_fallback"]:
-        return args
-    prefix = config.get("add_prefix_space") is not False
-    scheme = ("always" if config.get("legacy") else "first") if prefix else "never"
-    decoders = [{"type": "Replace", "pattern": {"String": SPACE_MARK}, "content": " "},
-                {"type": "ByteFallback"}, {"type": "Fuse"}]
-    if prefix:
-        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
-    pre = {"type": "Metaspace", "replacement": SPACE_MARK, "prepend_scheme": scheme,
-           "split": False}
-    return dict(args, normalizers=[], pre_tokenizers=[pre], decoders=decoders)
+def _class_rules(args: dict, config: dict) -> dict:
+    """`transformers` (v5) builds the text steps of some tokenizer classes itself, from
+    `tokenizer_config.json`, instead of reading them from tokenizer.json. We do the same
+    for the classes of the models in this book, and refuse the classes we don't know."""
+    name = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
+    if name.endswith("Fast") and name != "PreTrainedTokenizerFast":
+        name = name[:-4]                     # LlamaTokenizerFast -> LlamaTokenizer
+    prefix = config.get("add_prefix_space")
+    byte_level = [{"type": "ByteLevel", "add_prefix_space": bool(prefix),
+                   "trim_offsets": True, "use_regex": False}]
+    bpe = dict(ignore_merges=False, unk_token=None, byte_fallback=False, fuse_unk=False)
+    if name in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+        return args                                  # the file, as it is
+    if name == "LlamaTokenizer" and args["byte_fallback"]:       # Llama 2, Mistral
+        scheme = "always" if config.get("legacy") else "first"
+        if prefix is False:
+            scheme = "never"
+        decoders = [{"type": "Replace", "pattern": {"String": SPACE_MARK},
+                     "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"}]
+        if prefix is not False:
+            decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+        pre = {"type": "Metaspace", "replacement": SPACE_MARK, "prepend_scheme": scheme,
+               "split": False}
+        return dict(args, normalizers=[], pre_tokenizers=[pre], decoders=decoders,
+                    fuse_unk=True)
+    if name == "Qwen2Tokenizer":                     # Qwen2, Qwen2.5, Qwen3
+        return dict(args, **bpe, normalizers=[{"type": "NFC"}],
+                    pre_tokenizers=[_split(QWEN2_PATTERN)] + byte_level,
+                    decoders=[BYTE_LEVEL_DECODER])
+    if name == "GPT2Tokenizer":                      # GPT-2, SmolLM
+        byte_level[0]["use_regex"] = True
+        return dict(args, **bpe, normalizers=[], decoders=[BYTE_LEVEL_DECODER],
+                    pre_tokenizers=byte_level)
+    raise ValueError(f"tokenizer_config.json: tokenizer_class {name!r} is not "
+                     "supported (transformers builds its steps itself); supported: "
+                     "LlamaTokenizer, Qwen2Tokenizer, GPT2Tokenizer, "
+                     "PreTrainedTokenizerFast")
 
 
 @classmethod
@@ -982,7 +1006,7 @@ def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
         if not isinstance(config, dict):
             raise ValueError(f"{config_path.name} holds {type(config).__name__}, "
                              "not a JSON object")
-        args = _llama_class_rules(args, config)
+        args = _class_rules(args, config)
         prefix, special = args["prefix_tokens"], args["special"]
         names = [_token_content(config.get(k)) for k in ("bos_token", "eos_token",
                                                          "pad_token")]

@@ -580,3 +580,30 @@ def test_sentencepiece_same_ids_as_transformers(tmp_path, config):
             assert ids == hf(text, add_special_tokens=add)["input_ids"], (text, add)
             for skip in (True, False):
                 assert ours.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip), text
+
+
+@pytest.mark.parametrize("tokenizer_class", ["Qwen2TokenizerFast", "GPT2Tokenizer",
+                                             "PreTrainedTokenizerFast"])
+def test_tokenizer_class_steps_as_transformers_builds_them(hf_trained, tmp_path,
+                                                          tokenizer_class):
+    """transformers builds the steps of Qwen2Tokenizer and GPT2Tokenizer itself, whatever
+    the file says (here: files of another style); we follow it."""
+    kind, ours, _ = hf_trained
+    folder = ours.save(tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = tokenizer_class
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    again, hf = Tokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    for text in SUITE + specials_suite("<s>", "</s>"):
+        ids = again.encode(text)
+        assert ids == hf(text)["input_ids"], (kind, text)
+        assert again.decode(ids) == hf.decode(ids)
+
+
+def test_unknown_tokenizer_class_is_refused(tmp_path, bundled):
+    folder = bundled.save(tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "tokenizer_class": "GemmaTokenizerFast"}))
+    with pytest.raises(TokenizerFileError, match="GemmaTokenizer"):
+        Tokenizer.from_pretrained(folder)
