@@ -3,6 +3,8 @@
 The repository URL lives in one place, `repository.url` in _config.yml. This script
 writes it into the first code cell of every chapter (`make setup-cells`), and
 tests/test_notebooks.py fails if a chapter's first code cell differs from it.
+On Colab the cell clones the repository into /content/minillm (MINILLM_CLONE overrides
+the folder; tests/test_colab.py uses it to run the Colab path against a local clone).
 
     python tools/setup_cell.py           # rewrite the setup cell of chapters/*.ipynb
 """
@@ -17,15 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent
 MARKER = "# Setup: run this cell first."
 
 TEMPLATE = '''\
-# Setup: run this cell first. On Colab it installs minillm from the book's repository
-# (Colab's own torch is kept); anywhere else it does nothing but pick the device.
+# Setup: run this cell first. On Colab it installs minillm from the book's
+# repository (Colab's own torch is kept); elsewhere it only picks the device.
 import os, subprocess, sys
-REPO_URL = "{url}"  # written from _config.yml by `make setup-cells`
+REPO_URL = "{url}"  # from _config.yml
 if "google.colab" in sys.modules:
-    if not os.path.isdir("/content/minillm"):
-        subprocess.run(["git", "clone", "--depth", "1", REPO_URL, "/content/minillm"], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "/content/minillm[colab]"], check=True)
-    sys.path.insert(0, "/content/minillm")
+    repo = os.environ.get("MINILLM_CLONE", "/content/minillm")  # where to clone it
+    if not os.path.isdir(repo):
+        subprocess.run(["git", "clone", "--depth", "1", REPO_URL, repo], check=True)
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "-e", f"{{repo}}[colab]"], check=True)
+    sys.path.insert(0, repo)
 
 from minillm.utils import pick_device
 device = pick_device()
