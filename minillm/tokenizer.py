@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 # %% auto #0
 __all__ = ['LLAMA3_PATTERN', 'QWEN2_PATTERN', 'GPT2_PATTERN', 'BYTE_TO_CHAR', 'CHAR_TO_BYTE', 'SPACE_MARK', 'BYTE_LEVEL_DECODER',
            'split_isolated', 'bytes_to_unicode', 'to_byte_chars', 'from_byte_chars', 'merge_pair', 'learn_merges',
-           'TokenizerFileError', 'Tokenizer', 'IncrementalDecoder']
+           'TokenizerInputError', 'TokenizerFileError', 'Tokenizer', 'IncrementalDecoder']
 
 # %% ../chapters/01_tokenizer.ipynb #c012
 # Pre-tokenizer regexes. Each match is one "pre-token"; BPE never merges across them.
@@ -139,6 +139,10 @@ SPACE_MARK = "\u2581"   # '▁': how SentencePiece-style vocabularies write a sp
 
 BYTE_LEVEL_DECODER = {"type": "ByteLevel", "add_prefix_space": True,
                       "trim_offsets": True, "use_regex": True}
+
+
+class TokenizerInputError(TypeError, ValueError):
+    "A value of the wrong type for the tokenizer (a TypeError and a ValueError)."
 
 
 class TokenizerFileError(ValueError):
@@ -463,7 +467,7 @@ def _encode(self, text: str, add_special_tokens: bool = True,
     parse_special: special tokens written in the text (e.g. '<|eos|>') become their
                    ids, as Hugging Face does; with False they are ordinary text."""
     if not isinstance(text, str):
-        raise TypeError(f"encode() needs a str, got {type(text).__name__}")
+        raise TokenizerInputError(f"encode() needs a str, got {type(text).__name__}")
     tokens = {**self.added, **self.special}
     ids: list[int] = []
     added_re = self._added_re if parse_special else self._added_only_re
@@ -541,7 +545,8 @@ def _check_ids(self, ids) -> list[int]:
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise TypeError(f"ids must be a sequence of ints, got {type(ids).__name__}")
+        raise TokenizerInputError(f"ids must be a sequence of ints, got "
+                                  f"{type(ids).__name__}")
     checked = []
     for i in ids:
         if isinstance(i, bool) or not hasattr(i, "__index__"):
@@ -647,7 +652,8 @@ def _train(cls, texts: Iterable[str], vocab_size: int,
     counts: Counter[str] = Counter()
     for text in tqdm(texts, desc="pre-tokenizing", disable=not progress):
         if not isinstance(text, str):
-            raise TypeError(f"train() needs str texts, got {type(text).__name__}")
+            raise TokenizerInputError(f"train() needs str texts, got "
+                                      f"{type(text).__name__}")
         counts.update(split_isolated(text, compiled))
     word_counts = {w.encode("utf-8"): c for w, c in counts.items()}
     num_merges = vocab_size - 256 - len(special_tokens)

@@ -155,6 +155,8 @@ def test_bad_input(bundled):
     for bad in (4, True, [1, 2], 3.5):
         with pytest.raises(TypeError, match=type(bad).__name__):
             bundled.encode(bad)
+        with pytest.raises(ValueError, match=type(bad).__name__):   # both, as the book wants
+            bundled.encode(bad)
     with pytest.raises(ValueError, match=r"True.*not an int"):
         bundled.decode([True])
     with pytest.raises(TypeError, match="int"):
