@@ -12,16 +12,20 @@ from .naive import check_prompt, stop_ids
 from .sampling import SamplingParams, make_generator, sample
 
 # %% auto #0
-__all__ = ['watch_input_lengths', 'KVCache', 'generate_tokens', 'generate', 'stream']
+__all__ = ['watch_input_lengths', 'free_memory_bytes', 'KVCache', 'check_cache', 'generate_tokens', 'generate', 'stream']
 
 # %% ../chapters/03_kv_cache.ipynb #c009
 @contextmanager
 def watch_input_lengths(model) -> Iterator[list[int]]:
-    """Record how many tokens each forward of `model` receives: the quickest check that a cache is used."""
+    """Record how many tokens each forward of `model` receives.
+
+    The quickest check that a cache is used: with one, every forward after the first
+    receives a single token."""
     lengths: list[int] = []
 
     def note(module, args, kwargs):
-        input_ids = args[0] if args else kwargs["input_ids"]  # ours: positional; transformers: keyword
+        # our model gets input_ids by position, transformers' model by keyword
+        input_ids = args[0] if args else kwargs["input_ids"]
         lengths.append(input_ids.shape[1])
     handle = model.register_forward_pre_hook(note, with_kwargs=True)
     try:
@@ -29,40 +33,89 @@ def watch_input_lengths(model) -> Iterator[list[int]]:
     finally:
         handle.remove()
 
+# %% ../chapters/03_kv_cache.ipynb #c018a
+def free_memory_bytes(device: str | torch.device) -> int | None:
+    """Bytes `device` can still give to new tensors; None when we cannot tell."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        # memory that torch's allocator holds but does not use is free for us, too
+        unused = (torch.cuda.memory_reserved(device)
+                  - torch.cuda.memory_allocated(device))
+        return free + unused
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:  # Linux
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return None
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}={value!r}: must be a positive integer")
+    return value
+
 # %% ../chapters/03_kv_cache.ipynb #c018
 class KVCache:
     """Keys and values of every token seen so far, in buffers allocated once.
 
-    Per layer one K and one V buffer of shape [batch, n_kv_heads, max_seq_len, head_dim].
-    Before each forward, `prepare(T)` reserves the next T positions and builds the mask;
-    inside the forward every attention layer calls `update(layer_idx, k, v)` (the KV hook).
+    Per layer one K and one V buffer of shape
+    [batch, n_kv_heads, max_seq_len, head_dim]. Before each forward, `prepare(T)`
+    reserves the next T positions and builds the mask; inside the forward every
+    attention layer calls `update(layer_idx, k, v)` (the KV hook).
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
-                 batch_size: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        for name, value in [("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("max_seq_len", max_seq_len), ("batch_size", batch_size)]:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r}: must be a positive integer")
-        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                 max_seq_len: int, batch_size: int = 1,
+                 dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        sizes = dict(num_layers=num_layers, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, max_seq_len=max_seq_len, batch_size=batch_size)
+        for name, value in sizes.items():
+            _positive_int(name, value)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype={dtype!r}: K and V need a floating-point "
+                             "torch.dtype")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device={device!r} is not a torch device ({e})") from None
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.positions = torch.arange(max_seq_len, device=device)  # so a step never builds a new tensor
+        need = 2 * num_layers * batch_size * num_kv_heads * max_seq_len * head_dim
+        need *= dtype.itemsize
+        free = free_memory_bytes(device)
+        if free is not None and need > free:
+            raise ValueError(f"a KV cache of shape {shape} x {num_layers} layers needs "
+                             f"{need / 2**30:.2f} GiB; {device} has "
+                             f"{free / 2**30:.2f} GiB free: use a smaller max_seq_len "
+                             "or batch_size")
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+        layers = range(num_layers)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        self.positions = torch.arange(max_seq_len, device=device)  # made once, sliced
         self.length = 0      # tokens stored so far (per sequence)
         self.mask = None     # the mask of the current forward, built by prepare()
-        self._start = self._end = 0
+        self.owner = None    # the generation using it now (see generate_tokens)
+        self._start = self._end = 0  # positions reserved by prepare(), not yet written
 
     @classmethod
-    def from_model(cls, model, max_seq_len: int | None = None, batch_size: int = 1) -> "KVCache":
-        """A cache shaped for `model`, in its dtype and on its device. Default size: the whole context."""
-        c = model.config
-        limit = c.context_length
-        max_seq_len = limit if max_seq_len is None else max_seq_len
-        if isinstance(max_seq_len, int) and max_seq_len > limit:
-            raise ValueError(f"max_seq_len={max_seq_len} is larger than the model's context of {limit} positions")
+    def from_model(cls, model, max_seq_len: int | None = None,
+                   batch_size: int = 1) -> "KVCache":
+        """A cache for `model`, in its dtype, on its device. Default: whole context."""
+        c, limit = model.config, model.config.context_length
+        if max_seq_len is None:
+            max_seq_len = limit
+        if _positive_int("max_seq_len", max_seq_len) > limit:
+            raise ValueError(f"max_seq_len={max_seq_len} is larger than the model's "
+                             f"context of {limit} positions")
         w = model.embed_tokens.weight
-        return cls(c.num_layers, c.num_kv_heads, c.head_dim, max_seq_len, batch_size, w.dtype, w.device)
+        return cls(c.num_layers, c.num_kv_heads, c.head_dim, max_seq_len, batch_size,
+                   w.dtype, w.device)
 
     @property
     def nbytes(self) -> int:
@@ -70,96 +123,168 @@ class KVCache:
         return sum(t.nbytes for t in self.k + self.v)
 
     def reset(self) -> None:
-        """Forget every token. The buffers stay allocated; old values are simply overwritten later."""
+        """Forget every token. The buffers stay; old values get overwritten."""
         self.length, self.mask = 0, None
+        self._start = self._end = 0
 
     def prepare(self, num_tokens: int) -> torch.Tensor:
-        """Reserve the next `num_tokens` positions for the coming forward. Returns their positions [B, T]."""
+        """Reserve the next `num_tokens` positions for the coming forward.
+
+        Returns their positions, shape [batch, num_tokens]."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise ValueError(f"num_tokens={num_tokens!r}: must be an int")
         start, end = self.length, self.length + num_tokens
         if num_tokens <= 0 or end > self.max_seq_len:
-            raise ValueError(f"cannot add {num_tokens} tokens: the cache holds {start} of {self.max_seq_len} positions")
+            raise ValueError(f"cannot add {num_tokens} tokens: the cache holds {start} "
+                             f"of {self.max_seq_len} positions")
         self._start, self._end = start, end
         if num_tokens == 1:
             self.mask = None  # one new token may look at every stored token
-        else:                 # token i of this chunk sees everything before it: the causal mask, built once
-            self.mask = torch.ones(num_tokens, end, dtype=torch.bool, device=self.positions.device).tril(start)
+        else:  # token i of the chunk sees everything before it: the causal mask, once
+            self.mask = torch.ones(num_tokens, end, dtype=torch.bool,
+                                   device=self.positions.device).tril(start)
         self.length = end
         return self.positions[start:end].expand(self.batch_size, num_tokens)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        """The KV hook: store this layer's new k, v [B, n_kv_heads, T, head_dim]; return all keys, values, mask."""
+        """The KV hook: store this layer's new k, v [B, n_kv_heads, T, head_dim].
+
+        Returns all keys and values so far, and the mask of this forward."""
+        if not 0 <= layer_idx < len(self.k):  # a negative index would pick a layer
+            raise ValueError(f"layer_idx={layer_idx}: allowed 0 to {len(self.k) - 1}")
         s, e = self._start, self._end
-        if k.shape[2] != e - s:
-            raise ValueError(f"got K/V for {k.shape[2]} tokens, but prepare() reserved {e - s}")
         k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-        k_cache[:, :, s:e] = k  # copy into the preallocated buffer: no torch.cat, no new memory
+        b, h, _, d = k_cache.shape
+        if (k.shape != (b, h, e - s, d) or v.shape != k.shape
+                or k.dtype != k_cache.dtype or k.device != k_cache.device):
+            raise ValueError(self._mismatch(layer_idx, k, v))
+        k_cache[:, :, s:e] = k  # copy into the preallocated buffer: no torch.cat
         v_cache[:, :, s:e] = v
+        if layer_idx == len(self.k) - 1:
+            self._start = e  # the last layer has written: the reservation is used up
         return k_cache[:, :, :e], v_cache[:, :, :e], self.mask
+
+    def _mismatch(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> str:
+        b, h, _, d = self.k[layer_idx].shape
+        t, c = self._end - self._start, self.k[layer_idx]
+        hint = " (call prepare(T) before each forward)" if t == 0 else ""
+        return (f"layer {layer_idx}: got k {list(k.shape)} and v {list(v.shape)}, "
+                f"{k.dtype} on {k.device}; the cache expects [{b}, {h}, {t}, {d}], "
+                f"{c.dtype} on {c.device}{hint}")
 
     def __repr__(self) -> str:
         b, h, s, d = self.k[0].shape
-        return (f"KVCache(layers={len(self.k)}, batch={b}, kv_heads={h}, max_seq_len={s}, head_dim={d}, "
-                f"dtype={self.k[0].dtype}, length={self.length}, {self.nbytes / 2**20:.2f} MiB)")
+        return (f"KVCache(layers={len(self.k)}, batch={b}, kv_heads={h}, "
+                f"max_seq_len={s}, head_dim={d}, dtype={self.k[0].dtype}, "
+                f"length={self.length}, "
+                f"{self.nbytes / 2**20:.2f} MiB)")
+
+# %% ../chapters/03_kv_cache.ipynb #c026a
+def check_cache(cache, model, positions: int) -> None:
+    """Refuse a cache that cannot hold `positions` tokens of `model`."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache={type(cache).__name__}: give a minillm KVCache "
+                         "(KVCache.from_model(model, ...)) or None")
+    c, w = model.config, model.embed_tokens.weight
+    b, h, s, d = cache.k[0].shape
+    want = (c.num_layers, c.num_kv_heads, c.head_dim, w.dtype, w.device)
+    have = (len(cache.k), h, d, cache.k[0].dtype, cache.k[0].device)
+    if have != want:
+        raise ValueError(f"the cache has (layers, kv_heads, head_dim, dtype, device) = "
+                         f"{have}; this model needs {want}: "
+                         "use KVCache.from_model(model)")
+    if s < positions or b != 1:
+        raise ValueError(f"the cache has room for {s} positions x batch {b}; "
+                         f"this request needs {positions} positions x batch 1")
 
 # %% ../chapters/03_kv_cache.ipynb #c026
 @torch.inference_mode()
-def generate_tokens(model, prompt_ids, params: SamplingParams | None = None, tokenizer=None,
-                    cache: KVCache | None = None) -> Iterator[int]:
-    """Yield new token ids one by one: one prefill forward over the prompt, then one forward per token.
+def generate_tokens(model, prompt_ids, params: SamplingParams | None = None,
+                    tokenizer=None, cache: KVCache | None = None) -> Iterator[int]:
+    """Yield new token ids one by one: one prefill forward, then one forward per token.
 
-    The stop rules are those of `naive_generate`: max_new_tokens, the model's EOS (unless ignore_eos),
-    params.stop_token_ids, and params.stop strings (these need `tokenizer`). The token that stops
-    generation is yielded too. `cache`: a KVCache to reuse (it is reset); by default a new one of
-    exactly len(prompt) + max_new_tokens positions.
+    The stop rules are those of `naive_generate`: max_new_tokens, the model's EOS
+    (unless ignore_eos), params.stop_token_ids, and params.stop strings (these need
+    `tokenizer`).
+    The token that stops generation is yielded too. `cache`: a KVCache to reuse (it is
+    reset); by default a new one of exactly len(prompt) + max_new_tokens positions.
     """
-    params = params or SamplingParams()
-    ids = check_prompt(model, prompt_ids, params)  # empty prompt, bad ids, longer than the context
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params={params!r}: give a minillm.sampling.SamplingParams")
+    ids = check_prompt(model, prompt_ids, params)  # empty, bad ids, too long
     if params.stop and tokenizer is None:
-        raise ValueError(f"stop={params.stop} needs a tokenizer to decode the text; pass tokenizer=...")
+        raise ValueError(f"stop={params.stop} needs a tokenizer to decode the text; "
+                         "pass tokenizer=...")
     need = len(ids) + params.max_new_tokens
     if cache is None:
         cache = KVCache.from_model(model, need)
-    elif cache.max_seq_len < need or cache.batch_size != 1:
-        raise ValueError(f"the cache has room for {cache.max_seq_len} positions x batch {cache.batch_size}; "
-                         f"this request needs {need} positions x batch 1")
+    else:
+        check_cache(cache, model, need)
+    me = object()  # who uses the cache now
     cache.reset()
+    cache.owner = me
+    try:
+        yield from _decode_loop(model, ids, params, tokenizer, cache, me)
+    except BaseException:  # an error, or the caller stopped early: no half request
+        if cache.owner is me:
+            cache.reset()
+        raise
+    finally:
+        if cache.owner is me:
+            cache.owner = None
+
+# %% ../chapters/03_kv_cache.ipynb #c026b
+def _decode_loop(model, ids: list[int], params: SamplingParams, tokenizer,
+                 cache: KVCache, me: object) -> Iterator[int]:
     model.eval()  # no dropout, and the layers take their inference paths
     device = model.embed_tokens.weight.device
     generator = make_generator(params, device)
     stop = stop_ids(model, params)
-    seq = torch.zeros(1, need, dtype=torch.long, device=device)  # prompt + answer, for the repetition penalty
+    need = len(ids) + params.max_new_tokens
+    seq = torch.zeros(1, need, dtype=torch.long, device=device)  # for the penalty
     seq[0, :len(ids)] = torch.tensor(ids)
     n = len(ids)
     new: list[int] = []
-    logits = model(seq[:, :n], cache.prepare(n), kv=cache, last_only=True)  # prefill: the whole prompt at once
+    # prefill: the whole prompt in one forward
+    logits = model(seq[:, :n], cache.prepare(n), kv=cache, last_only=True)
     while True:
-        token = sample(logits[:, -1], params, generator, prev_ids=seq[:, :n])  # [1], stays on the device
+        token = sample(logits[:, -1], params, generator, prev_ids=seq[:, :n])  # [1]
         seq[0, n] = token[0]
         n += 1
-        new.append(int(token))  # the one sync per step: we must see the id to know when to stop
+        new.append(int(token))  # the one sync per step: we must see the id to stop
         yield new[-1]
-        if (len(new) == params.max_new_tokens or new[-1] in stop
-                or (params.stop and any(s in tokenizer.decode(new) for s in params.stop))):
+        if len(new) == params.max_new_tokens or new[-1] in stop:
             return
-        logits = model(token.view(1, 1), cache.prepare(1), kv=cache, last_only=True)  # decode: one token
+        if params.stop and any(s in tokenizer.decode(new) for s in params.stop):
+            return
+        if cache.owner is not me:
+            raise RuntimeError("another generation started on this KVCache while this "
+                               "one was running; give each generation its own cache")
+        # decode: one token
+        logits = model(token.view(1, 1), cache.prepare(1), kv=cache, last_only=True)
 
 
 def generate(model, prompt_ids, params: SamplingParams | None = None, tokenizer=None,
              cache: KVCache | None = None) -> list[int]:
-    """Generate with a KV cache. Returns the new token ids only (same rules as `naive_generate`)."""
+    """Generate with a KV cache. Returns the new ids only (as `naive_generate`)."""
     return list(generate_tokens(model, prompt_ids, params, tokenizer, cache))
 
 # %% ../chapters/03_kv_cache.ipynb #c032
-def stream(model, tokenizer, prompt: str, params: SamplingParams | None = None) -> Iterator[str]:
+def stream(model, tokenizer, prompt: str, params: SamplingParams | None = None
+           ) -> Iterator[str]:
     """Generate from a text prompt and yield the text as it grows, one delta at a time.
 
-    A token can end in the middle of a UTF-8 character; the IncrementalDecoder holds such bytes back
-    until the character is complete, so every delta is valid text.
+    A token can end in the middle of a UTF-8 character; the IncrementalDecoder holds
+    such bytes back until the character is complete, so every delta is valid text.
     """
     from minillm.tokenizer import IncrementalDecoder
 
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt={prompt!r}: give a non-empty string")
+    if not all(callable(getattr(tokenizer, f, None)) for f in ("encode", "decode")):
+        raise ValueError(f"tokenizer={tokenizer!r}: give a minillm Tokenizer "
+                         "(it needs encode and decode)")
     decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
     for token in generate_tokens(model, tokenizer.encode(prompt), params, tokenizer):
         delta = decoder.push(token)

@@ -1,5 +1,6 @@
 """minillm.kvcache (chapter 3): the same tokens and logits as the naive loop and transformers,
-memory equal to the formula, clear errors; and a smoke test of minillm.bench."""
+memory equal to the formula, clear errors before any work, no half-filled cache after one.
+The benchmark command (minillm.bench) is tested in test_bench.py."""
 import copy
 
 import pytest
@@ -203,7 +204,7 @@ def test_bad_input_raises_before_any_forward(llama):
         small.prepare(1)
     small.reset()
     small.prepare(3)
-    with pytest.raises(ValueError, match="reserved 3"):
+    with pytest.raises(ValueError, match=r"expects \[1, 2, 3, 16\]"):
         small.update(0, torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16))
 
 
@@ -225,28 +226,165 @@ def test_stream_joins_to_the_decoded_answer(tmp_path):
     assert short == new[:len(short)] and char in tokenizer.decode(short)
 
 
-def test_bench_smoke(llama, tmp_path):
-    from minillm import bench
-    hf, model = llama
-    folder = tmp_path / "m"
-    hf.save_pretrained(folder)
-    result = bench.run_kv_benchmark(folder, new_tokens=5, prompt_tokens=20, repeats=1, device="cpu", progress=False)
-    assert [r["method"] for r in result.rows] == ["naive loop", "KV cache (minillm)", "transformers generate()"]
-    assert all(r["same_tokens"] for r in result.rows)
-    assert all(len(s) == 4 for s in result.steps.values())
-    assert result.rows[1]["memory_MB"] * 1e6 == pytest.approx(
-        bench.weight_nbytes(model) + kv_cache_bytes(TINY, 25, 1, torch.float32))
-    assert "KV cache (minillm)" in bench.format_table(result)
-    summary, steps = bench.write_csv(result, tmp_path / "csv")
-    assert summary.read_text().count("\n") == 4 and "hardware" in summary.read_text()
-    assert steps.read_text().count("\n") == 1 + 3 * 4
-    with pytest.raises(ValueError, match="new_tokens"):
-        bench.run_kv_benchmark(folder, new_tokens=1)
-    with pytest.raises(ValueError, match="methods"):
-        bench.run_kv_benchmark(folder, methods=("fast",))
-    for bad in (["--model", "no-such-model"], ["--new-tokens", "1"], ["--threads", "0"]):
-        with pytest.raises(SystemExit):
-            bench.main(["kv", *bad])
-    assert bench.main(["kv", "--model", str(folder), "--new-tokens", "3", "--prompt-tokens", "8",
-                       "--repeats", "1", "--out", str(tmp_path / "cli")]) == 0
-    assert (tmp_path / "cli" / "kv_m_cpu.csv").is_file()
+# --- bad input and misuse: a clear error before any work, never a silently wrong cache ---
+
+def no_forward(model):
+    """Context: assert that no forward pass of `model` runs inside."""
+    return watch_input_lengths(model)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.tensor([PROMPT, PROMPT]), "prompt"),  # 2-D: two prompts, not one
+    ([True, False, True], "prompt"),             # bools are not token ids
+    (b"\x01\x05\x09", "prompt"),                 # bytes are not token ids
+    ([1, -3, 5], "not token ids"),
+    ([1.0, 5.0], "not token ids"),
+])
+def test_bad_prompts_raise_before_any_forward(llama, bad, match):
+    _, model = llama
+    with no_forward(model) as lengths:
+        with pytest.raises(ValueError, match=match):
+            generate(model, bad, SamplingParams(max_new_tokens=3))
+    assert lengths == []
+
+
+def test_non_finite_logits_raise(tmp_path):
+    """A model with a NaN weight must not generate token 0 forever: it raises, in both paths."""
+    from minillm.sampling import NonFiniteLogitsError
+    _, model = make_model("llama_gqa", tmp_path)
+    with torch.no_grad():
+        model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    for params in (SamplingParams(temperature=0, max_new_tokens=5),
+                   SamplingParams(temperature=0.8, max_new_tokens=5, seed=0)):
+        with pytest.raises(NonFiniteLogitsError, match="NaN or inf"):
+            generate(model, PROMPT, params)
+    with pytest.raises(ValueError):  # NonFiniteLogitsError is a ValueError
+        generate(model, PROMPT, SamplingParams(temperature=0, max_new_tokens=5))
+
+
+def test_params_and_tokenizer_are_checked(llama):
+    _, model = llama
+    with no_forward(model) as lengths:
+        with pytest.raises(ValueError, match="SamplingParams"):
+            generate(model, PROMPT, {"temperature": 0})
+        with pytest.raises(ValueError, match="tokenizer=None"):
+            next(stream(model, None, "hello"))
+        with pytest.raises(ValueError, match="prompt=42"):
+            next(stream(model, None, 42))
+    assert lengths == []
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda m: KVCache(3, 2, 16, 64), r"layers, kv_heads.*\(3, 2, 16"),   # layer count
+    (lambda m: KVCache(2, 4, 16, 64), r"\(2, 4, 16"),                     # kv heads
+    (lambda m: KVCache(2, 2, 8, 64), r"\(2, 2, 8"),                       # head_dim
+    (lambda m: KVCache(2, 2, 16, 64, dtype=torch.float16), "float16"),   # dtype
+    (lambda m: object(), "cache=object"),                                # not a KVCache
+])
+def test_a_cache_that_does_not_fit_the_model_is_refused(llama, make, match):
+    _, model = llama
+    with no_forward(model) as lengths:
+        with pytest.raises(ValueError, match=match):
+            generate(model, PROMPT, SamplingParams(max_new_tokens=3), cache=make(model))
+    assert lengths == []
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dtype=torch.int64), "dtype"),
+    (dict(dtype="float16"), "dtype"),
+    (dict(device="no-such-device"), "device"),
+    (dict(batch_size=0), "batch_size"),
+])
+def test_cache_constructor_checks(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KVCache(2, 2, 16, 8, **kwargs)
+
+
+def test_a_cache_larger_than_memory_is_refused_before_allocating():
+    from minillm.kvcache import free_memory_bytes
+    free = free_memory_bytes("cpu")
+    if free is None:
+        pytest.skip("this system does not report its free memory")
+    with pytest.raises(ValueError, match="GiB"):  # 2**50 bytes: far beyond any machine
+        KVCache(32, 8, 128, 2**30, batch_size=2**7, dtype=torch.float16)
+
+
+def test_prepare_and_update_refuse_misuse(llama):
+    _, model = llama
+    cache = KVCache.from_model(model, 20)
+    for bad in (True, 2.0, "3"):
+        with pytest.raises(ValueError, match="num_tokens"):
+            cache.prepare(bad)
+    assert cache.length == 0
+    cache.prepare(2)
+    k = torch.zeros(1, 2, 2, 16)
+    with pytest.raises(ValueError, match="layer_idx=-1"):  # would silently pick the last
+        cache.update(-1, k, k)
+    with pytest.raises(ValueError, match="layer_idx=2"):
+        cache.update(2, k, k)
+    big = KVCache(2, 2, 16, 8, batch_size=2)
+    big.prepare(2)
+    with pytest.raises(ValueError, match=r"expects \[2, 2, 2, 16\]"):
+        big.update(0, k, k)  # batch 1 into batch 2 would broadcast into both rows
+    with pytest.raises(ValueError, match="float32"):
+        cache.update(0, k.half(), k.half())
+    with pytest.raises(ValueError, match="v \\[1, 2, 2, 8\\]"):
+        cache.update(0, k, torch.zeros(1, 2, 2, 8))
+
+
+def test_a_second_forward_without_prepare_is_an_error(llama):
+    """One prepare() reserves positions for ONE forward: the last layer uses them up."""
+    _, model = llama
+    cache = KVCache.from_model(model, 20)
+    with torch.inference_mode():
+        model(torch.tensor([PROMPT]), cache.prepare(len(PROMPT)), kv=cache)
+        positions = cache.prepare(1)
+        model(torch.tensor([[4]]), positions, kv=cache)
+        stored = [t.clone() for t in cache.k]
+        with pytest.raises(ValueError, match="call prepare"):
+            model(torch.tensor([[5]]), positions, kv=cache)  # would overwrite the slot
+    assert all(torch.equal(a, b) for a, b in zip(stored, cache.k))
+
+
+def test_an_error_midway_leaves_the_cache_empty_and_reusable(llama):
+    _, model = llama
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    expected = generate(model, PROMPT, params)
+    cache = KVCache.from_model(model, 64)
+    calls = []
+
+    def fail_third(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+    handle = model.register_forward_pre_hook(fail_third)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            generate(model, PROMPT, params, cache=cache)
+    finally:
+        handle.remove()
+    assert cache.length == 0 and cache.owner is None
+    assert generate(model, PROMPT, params, cache=cache) == expected
+
+
+def test_stopping_early_resets_the_cache(llama):
+    _, model = llama
+    cache = KVCache.from_model(model, 64)
+    tokens = generate_tokens(model, PROMPT, SamplingParams(max_new_tokens=8), cache=cache)
+    next(tokens), next(tokens)
+    assert cache.length == len(PROMPT) + 1
+    tokens.close()  # the caller stops: no half request stays in the cache
+    assert cache.length == 0 and cache.owner is None
+
+
+def test_two_generations_on_one_cache_do_not_mix(llama):
+    _, model = llama
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    other = [3, 4, 5, 6]
+    cache = KVCache.from_model(model, 64)
+    first = generate_tokens(model, PROMPT, params, cache=cache)
+    next(first)
+    assert generate(model, other, params, cache=cache) == generate(model, other, params)
+    with pytest.raises(RuntimeError, match="another generation"):
+        next(first)
+    assert generate(model, PROMPT, params, cache=cache) == generate(model, PROMPT, params)
