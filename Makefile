@@ -83,8 +83,8 @@ model: $(STAMP)  ## re-train the bundled tiny Shakespeare model into data/tiny-s
 	$(PY) data/make_tiny_model.py
 
 bench: $(STAMP)  ## KV-cache benchmark on both model shapes; writes data/benchmarks/*.csv
-	$(PY) -m minillm.bench kv --model bundled --new-tokens 100 --prompt-tokens 256 --repeats 5 --threads 1
-	$(PY) -m minillm.bench kv --model smollm2-135m --new-tokens 100 --prompt-tokens 256 --repeats 3 --threads 1
+	$(PY) -m minillm.bench kv --model bundled --new-tokens 100 --prompt-tokens 256 --repeats 5 --threads 1 --out data/benchmarks
+	$(PY) -m minillm.bench kv --model smollm2-135m --new-tokens 100 --prompt-tokens 256 --repeats 3 --threads 1 --out data/benchmarks
 
 clean:  ## remove build output (keeps .venv)
 	rm -rf _build .pytest_cache

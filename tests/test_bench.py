@@ -6,24 +6,20 @@ import os
 
 import pytest
 import torch
-import transformers
 
+from conftest import TINY, make_hf_model
 from minillm import bench
 from minillm.memory import kv_cache_bytes
 from minillm.utils import repo_root
 
-TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-            bos_token_id=1, eos_token_id=2)
 SMALL_RUN = ["--new-tokens", "3", "--prompt-tokens", "8", "--repeats", "1"]
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny random Llama saved in Hugging Face format."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("models") / "tiny model"
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(path)
+    path = tmp_path_factory.mktemp("models") / "tiny model"  # a space in the path, on purpose
+    make_hf_model(path, "llama_gqa_untied", "init")
     return path
 
 

@@ -1,11 +1,9 @@
 """minillm.kvcache (chapter 3): the same tokens and logits as the naive loop and transformers,
 memory equal to the formula, clear errors before any work, no half-filled cache after one.
 The benchmark command (minillm.bench) is tested in test_bench.py."""
-import copy
 
 import pytest
 import torch
-import transformers
 
 from minillm.kvcache import KVCache, generate, generate_tokens, stream, watch_input_lengths
 from minillm.memory import kv_cache_bytes
@@ -13,49 +11,23 @@ from minillm.model import load_model
 from minillm.naive import naive_generate
 from minillm.sampling import SamplingParams
 
+from conftest import TINY, hf_greedy, make_model_pair
+
 torch.set_num_threads(1)
 
-TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-            bos_token_id=1, eos_token_id=2)
-
-FAMILIES = {
-    "llama_gqa": ("LlamaConfig", dict(tie_word_embeddings=False)),
-    "mistral": ("MistralConfig", dict(sliding_window=64)),
-    "qwen2_bias_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
-}
+FAMILIES = ("llama_gqa_untied", "mistral", "qwen2_bias_tied")
 PROMPT = [1, 5, 9, 23, 7, 88, 3, 41, 17]
 
 
 def make_model(family: str, folder, **overrides):
-    """A random HF model saved to `folder`, and the same weights loaded by minillm.
-
-    Weights are drawn with std 2/sqrt(fan_in) (larger than the usual init) so that greedy decoding
-    wanders over many tokens instead of repeating one."""
-    cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    config = getattr(transformers, cls)(**{**TINY, **extra, **overrides})
-    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 2 / p.shape[1] ** 0.5)
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.5)
-    hf.save_pretrained(folder)
-    return hf, load_model(folder, device="cpu")
+    """Random weights drawn wide (greedy decoding wanders instead of repeating one token),
+    as a (transformers, minillm) pair."""
+    return make_model_pair(folder, family, "wide", **overrides)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return make_model("llama_gqa", tmp_path_factory.mktemp("llama"))
-
-
-def hf_greedy(hf, prompt, n):
-    config = copy.deepcopy(hf.generation_config)
-    config.max_new_tokens, config.do_sample = n, False
-    ids = torch.tensor([prompt])
-    return hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, len(prompt):].tolist()
+    return make_model("llama_gqa_untied", tmp_path_factory.mktemp("llama"))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -212,7 +184,7 @@ def test_stream_joins_to_the_decoded_answer(tmp_path):
     from minillm.tokenizer import Tokenizer
     text = "To be, or not to be, that is the question. Ça va? Ünïcödé → 文字 " * 20
     tokenizer = Tokenizer.train([text], 300, progress=False)
-    _, model = make_model("llama_gqa", tmp_path, vocab_size=tokenizer.vocab_size,
+    _, model = make_model("llama_gqa_untied", tmp_path, vocab_size=tokenizer.vocab_size,
                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3)
     pieces = list(stream(model, tokenizer, "To be", params))
@@ -251,7 +223,7 @@ def test_bad_prompts_raise_before_any_forward(llama, bad, match):
 def test_non_finite_logits_raise(tmp_path):
     """A model with a NaN weight must not generate token 0 forever: it raises, in both paths."""
     from minillm.sampling import NonFiniteLogitsError
-    _, model = make_model("llama_gqa", tmp_path)
+    _, model = make_model("llama_gqa_untied", tmp_path)
     with torch.no_grad():
         model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
     for params in (SamplingParams(temperature=0, max_new_tokens=5),
