@@ -1,97 +1,11 @@
-"""What the unit tests share: tiny random Hugging Face models of every family minillm loads,
-saved to a folder so that both `transformers` and `minillm.load_model` read the same weights,
-and `transformers`' greedy generation as the reference loop.
-
-Test modules use the fixtures below, or import the plain functions (`from conftest import
-make_hf_model`) where a test builds several models with different settings."""
-from __future__ import annotations
-
-import copy
-from pathlib import Path
-
+"""Fixtures shared by the unit tests (the plain functions behind them are in helpers.py)."""
 import pytest
-import torch
-import transformers
 
-from minillm.model import load_model
-from minillm.utils import bundled_model_path
-
-torch.set_num_threads(1)
-
-# Small enough to build in milliseconds, big enough to have GQA (4 query heads, 2 KV heads).
-TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-SPECIAL = dict(bos_token_id=1, eos_token_id=2)
-
-# family -> (transformers config class, what differs from TINY)
-FAMILIES = {
-    "llama_gqa_untied": ("LlamaConfig", dict(tie_word_embeddings=False)),
-    "llama3_rope_scaling": ("LlamaConfig", dict(rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-        high_freq_factor=4.0, original_max_position_embeddings=32))),
-    "llama_attention_bias": ("LlamaConfig", dict(attention_bias=True)),
-    "mistral": ("MistralConfig", dict(sliding_window=64)),
-    "qwen2_bias_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
-    "qwen3_qk_norm": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
-}
-
-WEIGHTS = ("init", "random_norms", "wide")
-
-
-def make_hf_model(folder: Path, family: str = "llama_gqa_untied", weights: str = "random_norms",
-                  save: dict | None = None, **overrides):
-    """Build a random `transformers` model of `family`, save it to `folder`, return it (float32).
-
-    weights: "init" keeps transformers' initialisation; "random_norms" also draws norm weights
-    and biases at random, so a weight the loader forgets changes the logits; "wide" draws
-    matrices with std 2/sqrt(fan_in), so that greedy decoding wanders over many tokens instead
-    of repeating one. `save` goes to `save_pretrained` (e.g. `max_shard_size="100KB"`)."""
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights={weights!r}; expected one of {WEIGHTS}")
-    cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    config = getattr(transformers, cls)(**{**TINY, **SPECIAL, **extra, **overrides})
-    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if weights == "wide" and p.dim() == 2:
-                p.normal_(0, 2 / p.shape[1] ** 0.5)
-            elif weights != "init" and name.endswith(".bias"):
-                p.normal_(0, 0.5)
-            elif weights == "random_norms" and name.endswith("norm.weight"):
-                p.copy_(torch.randn_like(p) * 0.5 + 1.0)
-    hf.save_pretrained(folder, **(save or {}))
-    return hf
-
-
-def make_model_pair(folder: Path, family: str = "llama_gqa_untied", weights: str = "wide",
-                    **overrides):
-    """The same random weights twice: (transformers model, minillm model), both float32 on CPU."""
-    hf = make_hf_model(folder, family, weights, **overrides)
-    return hf, load_model(folder, device="cpu")
-
-
-def hf_greedy(hf, prompt: list[int], n: int, **generate_kwargs) -> list[int]:
-    """`transformers`' own greedy `generate()`: the new ids only."""
-    config = copy.deepcopy(hf.generation_config)
-    config.max_new_tokens, config.do_sample = n, False
-    for key, value in generate_kwargs.items():
-        setattr(config, key, value)
-    if config.pad_token_id is None:
-        config.pad_token_id = 0
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="session")
-def bundled_path() -> Path:
-    """The tiny Shakespeare model that ships in data/."""
-    return bundled_model_path()
+from helpers import make_model_pair
 
 
 @pytest.fixture(scope="module")
-def llama_pair(tmp_path_factory):
-    """(transformers, minillm) on the same random Llama with GQA; built once per module."""
-    return make_model_pair(tmp_path_factory.mktemp("llama"), "llama_gqa_untied")
+def llama(tmp_path_factory):
+    """(transformers model, minillm model) with the same random weights: a Llama with GQA,
+    weights drawn wide so that greedy decoding wanders. Built once per test module."""
+    return make_model_pair(tmp_path_factory.mktemp("llama"), "llama_gqa_untied", "wide")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conftest import TINY, make_hf_model
+from helpers import TINY, make_hf_model
 from minillm import bench
 from minillm.memory import kv_cache_bytes
 from minillm.utils import repo_root

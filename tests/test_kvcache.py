@@ -11,7 +11,7 @@ from minillm.model import load_model
 from minillm.naive import naive_generate
 from minillm.sampling import SamplingParams
 
-from conftest import TINY, hf_greedy, make_model_pair
+from helpers import TINY, hf_greedy, make_model_pair
 
 torch.set_num_threads(1)
 
@@ -23,11 +23,6 @@ def make_model(family: str, folder, **overrides):
     """Random weights drawn wide (greedy decoding wanders instead of repeating one token),
     as a (transformers, minillm) pair."""
     return make_model_pair(folder, family, "wide", **overrides)
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return make_model("llama_gqa_untied", tmp_path_factory.mktemp("llama"))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import FAMILIES, TINY, make_hf_model
+from helpers import FAMILIES, TINY, make_hf_model
 from minillm.model import ModelConfig, Transformer, load_model
 
 torch.set_num_threads(1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import hf_greedy, make_model_pair
+from helpers import hf_greedy, make_model_pair
 from minillm.model import load_model
 from minillm.naive import naive_generate
 from minillm.sampling import NonFiniteLogitsError, SamplingParams
