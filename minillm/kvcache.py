@@ -243,13 +243,15 @@ def _decode_loop(model, ids: list[int], params: SamplingParams, tokenizer,
     stop = stop_ids(model, params)
     need = len(ids) + params.max_new_tokens
     seq = torch.zeros(1, need, dtype=torch.long, device=device)  # for the penalty
+    penalize = params.repetition_penalty != 1.0  # the only reader of `seq`
     seq[0, :len(ids)] = torch.tensor(ids)
     n = len(ids)
     new: list[int] = []
     # prefill: the whole prompt in one forward
     logits = model(seq[:, :n], cache.prepare(n), kv=cache, last_only=True)
     while True:
-        token = sample(logits[:, -1], params, generator, prev_ids=seq[:, :n])  # [1]
+        history = seq[:, :n] if penalize else None
+        token = sample(logits[:, -1], params, generator, prev_ids=history)  # [1]
         seq[0, n] = token[0]
         n += 1
         new.append(int(token))  # the one sync per step: we must see the id to stop

@@ -92,12 +92,14 @@ def naive_generate(model, prompt_ids, params: SamplingParams | None = None,
     stop = stop_ids(model, params)
     tokens = torch.tensor([ids], device=device)
     positions = torch.arange(len(ids) + params.max_new_tokens, device=device)[None]
+    penalize = params.repetition_penalty != 1.0  # the only reader of the history
     new: list[int] = []
     with torch.inference_mode():
         for _ in range(params.max_new_tokens):
             n = tokens.shape[1]  # the whole sequence goes through the model, again
             logits = model(tokens, positions[:, :n], last_only=True)[:, -1]
-            next_id = sample(logits, params, generator, prev_ids=tokens)
+            history = tokens if penalize else None
+            next_id = sample(logits, params, generator, prev_ids=history)
             tokens = torch.cat([tokens, next_id[:, None]], dim=1)
             new.append(int(next_id))  # we must look at the id to know when to stop
             if new[-1] in stop:

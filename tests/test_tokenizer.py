@@ -377,13 +377,7 @@ SP_SUITE = SUITE + ["Hello", " leading space", "two  spaces", "\u2581already mar
 def test_sentencepiece_same_ids_and_text_as_tokenizers(sentencepiece):
     ours, rust = sentencepiece
     assert ours.vocab_size == rust.get_vocab_size() and not ours.byte_level
-    for text in SP_SUITE:
-        for add in (True, False):
-            ids = ours.encode(text, add_special_tokens=add)
-            assert ids == rust.encode(text, add_special_tokens=add).ids, (text, add)
-            for skip in (True, False):
-                assert ours.decode(ids, skip_special_tokens=skip) == rust.decode(
-                    ids, skip_special_tokens=skip), (text, skip)
+    _same(ours, rust, SP_SUITE)
     byte_ids = ours.encode("界", add_special_tokens=False)
     assert [ours.id_to_token(i) for i in byte_ids][-3:] == ["<0xE7>", "<0x95>", "<0x8C>"]
 
@@ -425,6 +419,7 @@ def _both(spec: dict, tmp_path) -> tuple[Tokenizer, RustTokenizer]:
 
 
 def _same(ours, rust, texts) -> None:
+    "Same ids as `tokenizers` with and without specials, and the same decoded text."
     for text in texts:
         for add in (True, False):
             ids = ours.encode(text, add_special_tokens=add)
