@@ -7,12 +7,15 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
-from .naive import check_prompt, stop_ids
+from .model import StepMeta
 from .sampling import SamplingParams, make_generator, sample
+from .sequence import Sequence
 
 # %% auto #0
-__all__ = ['watch_input_lengths', 'free_memory_bytes', 'KVCache', 'check_cache', 'generate_tokens', 'generate', 'stream']
+__all__ = ['watch_input_lengths', 'free_memory_bytes', 'causal_mask', 'cached_attention', 'KVCache', 'check_cache',
+           'generate_tokens', 'generate', 'stream']
 
 # %% ../chapters/03_kv_cache.ipynb #c009
 @contextmanager
@@ -59,14 +62,33 @@ def _positive_int(name: str, value) -> int:
         raise ValueError(f"{name}={value!r}: must be a positive integer")
     return value
 
+# %% ../chapters/03_kv_cache.ipynb #c018b
+def causal_mask(meta: StepMeta, S: int) -> torch.Tensor:
+    """[B, 1, T, S]: may token t of row b look at position s of its row? Yes if s is
+    not after the token's own position. Built once per forward (kept in meta.cache)."""
+    key = ("mask", S)
+    if key not in meta.cache:
+        seen = torch.arange(S, device=meta.positions.device)
+        meta.cache[key] = (seen <= meta.positions[..., None]).unsqueeze(1)
+    return meta.cache[key]
+
+
+def cached_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                     meta: StepMeta) -> torch.Tensor:
+    """Attention of q [B, heads, T, d] over cached k_all, v_all [B, kv_heads, S, d]."""
+    mask = causal_mask(meta, k_all.shape[2])
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                          enable_gqa=q.shape[1] != k_all.shape[1])
+
 # %% ../chapters/03_kv_cache.ipynb #c018
 class KVCache:
     """Keys and values of every token seen so far, in buffers allocated once.
 
-    Per layer one K and one V buffer of shape
-    [batch, n_kv_heads, max_seq_len, head_dim]. Before each forward, `prepare(T)`
-    reserves the next T positions and builds the mask; inside the forward every
-    attention layer calls `update(layer_idx, k, v)` (the KV hook).
+    Per layer one K and one V buffer of [rows * max_seq_len + 1, n_kv_heads, head_dim]:
+    one **slot** per position of each row (row r, position p is slot r * max_seq_len
+    + p), plus one spare slot where padding tokens write. A forward gives every layer a
+    StepMeta; `attend` writes the new K/V to meta.slot_mapping and attends over the
+    row. `prepare(T)` makes that StepMeta for a batch whose rows all have one length.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -84,24 +106,23 @@ class KVCache:
             device = torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device={device!r} is not a torch device ({e})") from None
-        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        need = 2 * num_layers * batch_size * num_kv_heads * max_seq_len * head_dim
-        need *= dtype.itemsize
+        slots = batch_size * max_seq_len + 1  # + the spare slot for padding
+        need = 2 * num_layers * slots * num_kv_heads * head_dim * dtype.itemsize
         free = free_memory_bytes(device)
         if free is not None and need > free:
-            raise ValueError(f"a KV cache of shape {shape} x {num_layers} layers needs "
-                             f"{need / 2**30:.2f} GiB; {device} has "
-                             f"{free / 2**30:.2f} GiB free: use a smaller max_seq_len "
-                             "or batch_size")
+            raise ValueError(f"a KV cache of {batch_size} x {max_seq_len} positions x "
+                             f"{num_layers} layers needs {need / 2**30:.2f} GiB; "
+                             f"{device} has {free / 2**30:.2f} GiB free: use a "
+                             "smaller max_seq_len or batch_size")
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
+        self.pad_slot = slots - 1  # padding tokens write here; nobody reads it
+        shape = (slots, num_kv_heads, head_dim)
         layers = range(num_layers)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         self.positions = torch.arange(max_seq_len, device=device)  # made once, sliced
-        self.length = 0      # tokens stored so far (per sequence)
-        self.mask = None     # the mask of the current forward, built by prepare()
+        self.length = 0      # tokens stored so far (per row)
         self.owner = None    # the generation using it now (see generate_tokens)
-        self._start = self._end = 0  # positions reserved by prepare(), not yet written
 
     @classmethod
     def from_model(cls, model, max_seq_len: int | None = None,
@@ -122,61 +143,98 @@ class KVCache:
         """Bytes allocated for keys and values (the whole buffers, used or not)."""
         return sum(t.nbytes for t in self.k + self.v)
 
+    def rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V buffers of a layer as [rows, max_seq_len, kv_heads, head_dim]."""
+        n = self.batch_size * self.max_seq_len
+        shape = (self.batch_size, self.max_seq_len) + self.k[layer_idx].shape[1:]
+        return (self.k[layer_idx][:n].view(shape), self.v[layer_idx][:n].view(shape))
+
     def reset(self) -> None:
         """Forget every token. The buffers stay; old values get overwritten."""
-        self.length, self.mask = 0, None
-        self._start = self._end = 0
+        self.length = 0
 
-    def prepare(self, num_tokens: int) -> torch.Tensor:
-        """Reserve the next `num_tokens` positions for the coming forward.
+    def prepare(self, num_tokens: int) -> StepMeta:
+        """Reserve the next `num_tokens` positions of every row for the coming forward.
 
-        Returns their positions, shape [batch, num_tokens]."""
+        Returns the forward's StepMeta: positions, slots, lengths, the last token."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise ValueError(f"num_tokens={num_tokens!r}: must be an int")
         start, end = self.length, self.length + num_tokens
         if num_tokens <= 0 or end > self.max_seq_len:
             raise ValueError(f"cannot add {num_tokens} tokens: the cache holds {start} "
                              f"of {self.max_seq_len} positions")
-        self._start, self._end = start, end
-        if num_tokens == 1:
-            self.mask = None  # one new token may look at every stored token
-        else:  # token i of the chunk sees everything before it: the causal mask, once
-            self.mask = torch.ones(num_tokens, end, dtype=torch.bool,
-                                   device=self.positions.device).tril(start)
+        B, device = self.batch_size, self.positions.device
+        positions = self.positions[start:end].expand(B, num_tokens)
+        rows = torch.arange(B, device=device)[:, None]
+        meta = StepMeta(
+            positions=positions,
+            logits_index=torch.full((B,), num_tokens - 1, device=device),
+            slot_mapping=rows * self.max_seq_len + positions,
+            context_lens=torch.full((B,), end, device=device),
+            max_context=end)
         self.length = end
-        return self.positions[start:end].expand(self.batch_size, num_tokens)
+        return meta
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        """The KV hook: store this layer's new k, v [B, n_kv_heads, T, head_dim].
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        """Store this layer's new k, v [B, kv_heads, T, head_dim], then attend.
 
-        Returns all keys and values so far, and the mask of this forward."""
+        q: [B, heads, T, head_dim]. Returns the attention output, shaped like q."""
+        self._check(layer_idx, q, k, v, meta)
+        self.store(layer_idx, k, v, meta.slot_mapping)
+        if layer_idx == len(self.k) - 1:
+            meta.cache["written"] = True  # a StepMeta serves one forward
+        k_all, v_all = self.gather(layer_idx, meta)
+        return cached_attention(q, k_all, v_all, meta)
+
+    def store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Write each new token's K and V into its slot: no torch.cat, no new tensor."""
+        slots = slot_mapping.reshape(-1)
+        h, d = k.shape[1], k.shape[3]
+        self.k[layer_idx].index_copy_(0, slots, k.transpose(1, 2).reshape(-1, h, d))
+        self.v[layer_idx].index_copy_(0, slots, v.transpose(1, 2).reshape(-1, h, d))
+
+    def gather(self, layer_idx: int, meta: StepMeta):
+        """What each row attends over: [B, kv_heads, S, head_dim] for K and for V.
+
+        Row i of the batch reads cache row i (or meta.block_tables[i, 0] if given);
+        only the first S = meta.max_context positions (all of them if None)."""
+        S = meta.max_context or self.max_seq_len
+        k_rows, v_rows = self.rows(layer_idx)
+        k_rows, v_rows = k_rows[:, :S], v_rows[:, :S]
+        if meta.block_tables is None:
+            B = meta.positions.shape[0]
+            k_rows, v_rows = k_rows[:B], v_rows[:B]
+        else:  # copies each row's part: what a per-request slot costs to read
+            rows = meta.block_tables[:, 0]
+            k_rows, v_rows = k_rows.index_select(0, rows), v_rows.index_select(0, rows)
+        return k_rows.transpose(1, 2), v_rows.transpose(1, 2)
+
+    def _check(self, layer_idx, q, k, v, meta) -> None:
+        """A cache is where a mistake stays silent: check before writing."""
         if not 0 <= layer_idx < len(self.k):  # a negative index would pick a layer
             raise ValueError(f"layer_idx={layer_idx}: allowed 0 to {len(self.k) - 1}")
-        s, e = self._start, self._end
-        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-        b, h, _, d = k_cache.shape
-        if (k.shape != (b, h, e - s, d) or v.shape != k.shape
-                or k.dtype != k_cache.dtype or k.device != k_cache.device):
-            raise ValueError(self._mismatch(layer_idx, k, v))
-        k_cache[:, :, s:e] = k  # copy into the preallocated buffer: no torch.cat
-        v_cache[:, :, s:e] = v
-        if layer_idx == len(self.k) - 1:
-            self._start = e  # the last layer has written: the reservation is used up
-        return k_cache[:, :, :e], v_cache[:, :, :e], self.mask
-
-    def _mismatch(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> str:
-        b, h, _, d = self.k[layer_idx].shape
-        t, c = self._end - self._start, self.k[layer_idx]
-        hint = " (call prepare(T) before each forward)" if t == 0 else ""
-        return (f"layer {layer_idx}: got k {list(k.shape)} and v {list(v.shape)}, "
-                f"{k.dtype} on {k.device}; the cache expects [{b}, {h}, {t}, {d}], "
-                f"{c.dtype} on {c.device}{hint}")
+        if not isinstance(meta, StepMeta) or meta.slot_mapping is None:
+            raise ValueError(f"meta={type(meta).__name__}: give the StepMeta of this "
+                             "forward with a slot_mapping (cache.prepare(T) makes one)")
+        if layer_idx == 0 and meta.cache.get("written"):
+            raise ValueError("this StepMeta was used by a forward already; its slots "
+                             "are written: call prepare(T) before each forward")
+        c = self.k[layer_idx]
+        B, T = meta.positions.shape
+        want = (B, c.shape[1], T, c.shape[2])
+        if (k.shape != want or v.shape != k.shape or k.dtype != c.dtype
+                or k.device != c.device):
+            raise ValueError(f"layer {layer_idx}: got k {list(k.shape)} and v "
+                             f"{list(v.shape)}, {k.dtype} on {k.device}; the cache "
+                             f"expects {list(want)}, {c.dtype} on {c.device}")
 
     def __repr__(self) -> str:
-        b, h, s, d = self.k[0].shape
-        return (f"KVCache(layers={len(self.k)}, batch={b}, kv_heads={h}, "
-                f"max_seq_len={s}, head_dim={d}, dtype={self.k[0].dtype}, "
-                f"length={self.length}, "
+        _, h, d = self.k[0].shape
+        return (f"KVCache(layers={len(self.k)}, batch={self.batch_size}, kv_heads={h}, "
+                f"max_seq_len={self.max_seq_len}, head_dim={d}, "
+                f"dtype={self.k[0].dtype}, length={self.length}, "
                 f"{self.nbytes / 2**20:.2f} MiB)")
 
 # %% ../chapters/03_kv_cache.ipynb #c026a
@@ -186,7 +244,8 @@ def check_cache(cache, model, positions: int) -> None:
         raise ValueError(f"cache={type(cache).__name__}: give a minillm KVCache "
                          "(KVCache.from_model(model, ...)) or None")
     c, w = model.config, model.embed_tokens.weight
-    b, h, s, d = cache.k[0].shape
+    _, h, d = cache.k[0].shape
+    b, s = cache.batch_size, cache.max_seq_len
     want = (c.num_layers, c.num_kv_heads, c.head_dim, w.dtype, w.device)
     have = (len(cache.k), h, d, cache.k[0].dtype, cache.k[0].device)
     if have != want:
@@ -203,29 +262,24 @@ def generate_tokens(model, prompt_ids, params: SamplingParams | None = None,
                     tokenizer=None, cache: KVCache | None = None) -> Iterator[int]:
     """Yield new token ids one by one: one prefill forward, then one forward per token.
 
-    The stop rules are those of `naive_generate`: max_new_tokens, the model's EOS
-    (unless ignore_eos), params.stop_token_ids, and params.stop strings (these need
-    `tokenizer`).
+    The stop rules are those of `naive_generate` (they live in Sequence):
+    max_new_tokens, the model's EOS (unless ignore_eos), params.stop_token_ids, and
+    params.stop strings (these need `tokenizer`).
     The token that stops generation is yielded too. `cache`: a KVCache to reuse (it is
     reset); by default a new one of exactly len(prompt) + max_new_tokens positions.
     """
-    params = SamplingParams() if params is None else params
-    if not isinstance(params, SamplingParams):
+    if params is not None and not isinstance(params, SamplingParams):
         raise ValueError(f"params={params!r}: give a minillm.sampling.SamplingParams")
-    ids = check_prompt(model, prompt_ids, params)  # empty, bad ids, too long
-    if params.stop and tokenizer is None:
-        raise ValueError(f"stop={params.stop} needs a tokenizer to decode the text; "
-                         "pass tokenizer=...")
-    need = len(ids) + params.max_new_tokens
+    seq = Sequence.create(model, prompt_ids, params, tokenizer)  # checks everything
     if cache is None:
-        cache = KVCache.from_model(model, need)
+        cache = KVCache.from_model(model, seq.max_tokens)
     else:
-        check_cache(cache, model, need)
+        check_cache(cache, model, seq.max_tokens)
     me = object()  # who uses the cache now
     cache.reset()
     cache.owner = me
     try:
-        yield from _decode_loop(model, ids, params, tokenizer, cache, me)
+        yield from _decode_loop(model, seq, cache, me)
     except BaseException:  # an error, or the caller stopped early: no half request
         if cache.owner is me:
             cache.reset()
@@ -235,36 +289,33 @@ def generate_tokens(model, prompt_ids, params: SamplingParams | None = None,
             cache.owner = None
 
 # %% ../chapters/03_kv_cache.ipynb #c026b
-def _decode_loop(model, ids: list[int], params: SamplingParams, tokenizer,
-                 cache: KVCache, me: object) -> Iterator[int]:
+def _decode_loop(model, seq: Sequence, cache: KVCache, me: object) -> Iterator[int]:
     model.eval()  # no dropout, and the layers take their inference paths
+    params = seq.params
     device = model.embed_tokens.weight.device
     generator = make_generator(params, device)
-    stop = stop_ids(model, params)
-    need = len(ids) + params.max_new_tokens
-    seq = torch.zeros(1, need, dtype=torch.long, device=device)  # for the penalty
-    penalize = params.repetition_penalty != 1.0  # the only reader of `seq`
-    seq[0, :len(ids)] = torch.tensor(ids)
-    n = len(ids)
-    new: list[int] = []
+    tokens = torch.zeros(1, seq.max_tokens, dtype=torch.long, device=device)
+    penalize = params.repetition_penalty != 1.0  # the only reader of `tokens`
+    n = len(seq.prompt_ids)
+    tokens[0, :n] = torch.tensor(seq.prompt_ids)
     # prefill: the whole prompt in one forward
-    logits = model(seq[:, :n], cache.prepare(n), kv=cache, last_only=True)
+    meta = cache.prepare(n)
+    logits = model(tokens[:, :n], meta.positions, kv=cache, meta=meta)
     while True:
-        history = seq[:, :n] if penalize else None
+        history = tokens[:, :n] if penalize else None
         token = sample(logits[:, -1], params, generator, prev_ids=history)  # [1]
-        seq[0, n] = token[0]
+        tokens[0, n] = token[0]
         n += 1
-        new.append(int(token))  # the one sync per step: we must see the id to stop
-        yield new[-1]
-        if len(new) == params.max_new_tokens or new[-1] in stop:
-            return
-        if params.stop and any(s in tokenizer.decode(new) for s in params.stop):
+        seq.append(int(token))  # the one sync per step: we must see the id to stop
+        yield seq.output_ids[-1]
+        if seq.is_finished:  # EOS, a stop id or string, or max_new_tokens
             return
         if cache.owner is not me:
             raise RuntimeError("another generation started on this KVCache while this "
                                "one was running; give each generation its own cache")
         # decode: one token
-        logits = model(token.view(1, 1), cache.prepare(1), kv=cache, last_only=True)
+        meta = cache.prepare(1)
+        logits = model(token.view(1, 1), meta.positions, kv=cache, meta=meta)
 
 
 def generate(model, prompt_ids, params: SamplingParams | None = None, tokenizer=None,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 # %% auto #0
 __all__ = ['SUPPORTED_ARCHITECTURES', 'FLOAT_DTYPES', 'ModelConfig', 'RMSNorm', 'rope_frequencies', 'RotaryEmbedding',
-           'rotate_half', 'apply_rope', 'Attention', 'MLP', 'Block', 'Transformer', 'resolve_folder',
+           'rotate_half', 'apply_rope', 'StepMeta', 'Attention', 'MLP', 'Block', 'Transformer', 'resolve_folder',
            'safetensors_files', 'read_safetensors_header', 'resolve_device', 'load_model']
 
 # %% ../chapters/02_naive_loop.ipynb #c010f
@@ -309,8 +309,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 # %% ../chapters/02_naive_loop.ipynb #c021
+@dataclass
+class StepMeta:
+    """What one forward needs to know about its batch of B rows of T tokens.
+
+    Built by whoever runs the model (a loop, the engine), never by the model. Only
+    `positions` is always needed; a KV cache reads the other fields."""
+    positions: torch.Tensor                      # [B, T] position of each token
+    logits_index: torch.Tensor | None = None     # [B] token giving logits; None = all
+    slot_mapping: torch.Tensor | None = None     # [B, T] cache slot of each token
+    context_lens: torch.Tensor | None = None     # [B] tokens attended, new ones incl.
+    block_tables: torch.Tensor | None = None     # [B, n] cache rows/blocks of each row
+    max_context: int | None = None  # known max of context_lens; None = whole cache
+    cache: dict = field(default_factory=dict, repr=False)  # e.g. the mask, built once
+
+
 class Attention(nn.Module):
-    """Grouped-query attention. K/V go through `kv` (the cache hook) if one is given."""
+    """Grouped-query attention. K/V go through `kv` (a KV cache) if one is given."""
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -329,7 +344,7 @@ class Attention(nn.Module):
         self.gqa = self.n_heads != self.n_kv_heads
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv=None) -> torch.Tensor:
+                kv=None, meta: StepMeta | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -342,10 +357,8 @@ class Attention(nn.Module):
         if kv is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=self.gqa)
-        else:
-            k_all, v_all, mask = kv.update(self.layer_idx, k, v)
-            out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
-                                                 enable_gqa=self.gqa)
+        else:  # the cache stores k and v, and attends over everything it holds
+            out = kv.attend(self.layer_idx, q, k, v, meta)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(out)
 
@@ -373,8 +386,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+                kv=None, meta: StepMeta | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 # %% ../chapters/02_naive_loop.ipynb #c024
@@ -394,15 +407,21 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv=None,
-                last_only: bool = False) -> torch.Tensor:
-        """input_ids, positions: [B, T] -> logits [B, T, vocab] ([B, 1, vocab] with
-        last_only)."""
+                meta: StepMeta | None = None) -> torch.Tensor:
+        """input_ids, positions: [B, T] -> logits [B, T, vocab].
+
+        With a cache, `kv` is the cache and `meta` its StepMeta for this step. If
+        meta.logits_index is set, only those tokens reach the LM head: [B, 1, vocab]."""
+        if kv is not None and meta is None:
+            raise ValueError("a forward with a KV cache needs meta=StepMeta(...): "
+                             "where the new K/V go and what each row attends to")
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv)
-        if last_only:
-            x = x[:, -1:]
+            x = layer(x, cos, sin, kv, meta)
+        if meta is not None and meta.logits_index is not None:
+            index = meta.logits_index.view(-1, 1, 1).expand(-1, 1, x.shape[-1])
+            x = x.gather(1, index)  # [B, 1, hidden]: one token per row
         return self.lm_head(self.norm(x))
 
 # %% ../chapters/02_naive_loop.ipynb #c026

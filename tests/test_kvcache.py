@@ -7,7 +7,7 @@ import torch
 
 from minillm.kvcache import KVCache, generate, generate_tokens, stream, watch_input_lengths
 from minillm.memory import kv_cache_bytes
-from minillm.model import load_model
+from minillm.model import StepMeta, load_model
 from minillm.naive import naive_generate
 from minillm.sampling import SamplingParams
 
@@ -17,6 +17,16 @@ torch.set_num_threads(1)
 
 FAMILIES = ("llama_gqa_untied", "mistral", "qwen2_bias_tied")
 PROMPT = [1, 5, 9, 23, 7, 88, 3, 41, 17]
+
+
+def step(model, ids, cache):
+    """One forward through `cache`: reserve len(ids) positions, then run the model."""
+    meta = cache.prepare(ids.shape[1])
+    return model(ids, meta.positions, kv=cache, meta=meta)
+
+
+def last_only(pos):
+    return StepMeta(pos, logits_index=torch.full((pos.shape[0],), pos.shape[1] - 1))
 
 
 def make_model(family: str, folder, **overrides):
@@ -50,12 +60,13 @@ def test_per_step_logits_match_full_forward(llama):
     cache = KVCache.from_model(model, len(PROMPT) + 25)
     seq = list(PROMPT)
     with torch.inference_mode():
-        logits = model(torch.tensor([seq]), cache.prepare(len(seq)), kv=cache, last_only=True)
+        logits = step(model, torch.tensor([seq]), cache)[:, -1:]
         for _ in range(25):
-            full = model(torch.tensor([seq]), torch.arange(len(seq))[None], last_only=True)
+            pos = torch.arange(len(seq))[None]
+            full = model(torch.tensor([seq]), pos, meta=last_only(pos))
             assert (logits - full).abs().max().item() < 1e-4
             seq.append(int(logits[0, -1].argmax()))
-            logits = model(torch.tensor([[seq[-1]]]), cache.prepare(1), kv=cache, last_only=True)
+            logits = step(model, torch.tensor([[seq[-1]]]), cache)
 
 
 def test_chunked_prefill_matches_one_prefill(llama):
@@ -64,22 +75,27 @@ def test_chunked_prefill_matches_one_prefill(llama):
     ids = torch.tensor([PROMPT])
     one, two = KVCache.from_model(model, 16), KVCache.from_model(model, 16)
     with torch.inference_mode():
-        a = model(ids, one.prepare(9), kv=one)
-        model(ids[:, :4], two.prepare(4), kv=two)
-        b = model(ids[:, 4:], two.prepare(5), kv=two)
-    torch.testing.assert_close(b, a[:, 4:], atol=1e-5, rtol=1e-5)
+        a = model(ids, torch.arange(9)[None])  # no cache: every position's logits
+        step(model, ids[:, :4], two)
+        b = step(model, ids[:, 4:], two)  # the last token of the second chunk
+        c = step(model, ids, one)
+    torch.testing.assert_close(b, a[:, -1:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c, a[:, -1:], atol=1e-5, rtol=1e-5)
 
 
 def test_cache_shape_dtype_and_memory_formula(llama):
     _, model = llama
     cache = KVCache.from_model(model, 50)
     assert len(cache.k) == len(cache.v) == TINY["num_hidden_layers"]
-    assert cache.k[0].shape == (1, TINY["num_key_value_heads"], 50, 16)  # kv heads, not query heads
+    # one slot per position, plus the spare slot for padding; kv heads, not query heads
+    assert cache.k[0].shape == (50 + 1, TINY["num_key_value_heads"], 16)
+    assert cache.rows(0)[0].shape == (1, 50, 2, 16) and cache.pad_slot == 50
     assert cache.k[0].dtype == torch.float32
     for batch, dtype in [(1, torch.float32), (3, torch.float16), (2, torch.bfloat16)]:
         c = KVCache(2, 2, 16, 50, batch_size=batch, dtype=dtype)
-        assert c.nbytes == kv_cache_bytes(TINY, 50, batch, dtype)
-    assert cache.nbytes == kv_cache_bytes(TINY, 50, 1, torch.float32)
+        spare = 2 * 2 * 2 * 16 * dtype.itemsize  # K and V of 2 layers: one slot each
+        assert c.nbytes == kv_cache_bytes(TINY, 50, batch, dtype) + spare
+    assert cache.nbytes == kv_cache_bytes(TINY, 51, 1, torch.float32)
     assert sum(t.untyped_storage().nbytes() for t in cache.k + cache.v) == cache.nbytes
     assert KVCache.from_model(model).max_seq_len == TINY["max_position_embeddings"]
 
@@ -88,30 +104,33 @@ def test_cache_follows_the_model_dtype(tmp_path):
     make_model("qwen2_bias_tied", tmp_path)
     model = load_model(tmp_path, dtype=torch.bfloat16, device="cpu")
     cache = KVCache.from_model(model, 20)
-    assert cache.k[0].dtype == torch.bfloat16 and cache.nbytes == kv_cache_bytes(TINY, 20, 1, "bfloat16")
+    assert cache.k[0].dtype == torch.bfloat16 and cache.nbytes == kv_cache_bytes(TINY, 21, 1, "bfloat16")
     out = generate(model, PROMPT, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True), cache=cache)
     assert len(out) == 5 and cache.length == len(PROMPT) + 4
 
 
-def test_mask_built_once_per_forward_and_none_for_decode(llama):
+def test_mask_built_once_per_forward(llama):
+    from minillm import kvcache
     _, model = llama
     cache = KVCache.from_model(model, 20)
     seen = []
-    update = cache.update
+    original = kvcache.causal_mask
 
-    def spy(layer_idx, k, v):
-        out = update(layer_idx, k, v)
-        seen.append(out[2])
-        return out
-    cache.update = spy
-    with torch.inference_mode():
-        model(torch.tensor([PROMPT]), cache.prepare(len(PROMPT)), kv=cache)
-        model(torch.tensor([[4]]), cache.prepare(1), kv=cache)
+    def spy(meta, S):
+        seen.append(original(meta, S))
+        return seen[-1]
+    kvcache.causal_mask = spy
+    try:
+        with torch.inference_mode():
+            step(model, torch.tensor([PROMPT]), cache)
+            step(model, torch.tensor([[4]]), cache)
+    finally:
+        kvcache.causal_mask = original
     prefill, decode = seen[:2], seen[2:]
     assert prefill[0] is prefill[1] and prefill[0].dtype == torch.bool
-    assert prefill[0].shape == (len(PROMPT), len(PROMPT))
-    assert torch.equal(prefill[0], torch.ones(9, 9, dtype=torch.bool).tril())
-    assert decode == [None, None]
+    assert prefill[0].shape == (1, 1, len(PROMPT), len(PROMPT))
+    assert torch.equal(prefill[0][0, 0], torch.ones(9, 9, dtype=torch.bool).tril())
+    assert decode[0] is decode[1] and decode[0].shape == (1, 1, 1, 10) and decode[0].all()
 
 
 def test_the_cache_is_used_and_reusable(llama):
@@ -170,9 +189,10 @@ def test_bad_input_raises_before_any_forward(llama):
     with pytest.raises(ValueError, match="cannot add 1 tokens"):
         small.prepare(1)
     small.reset()
-    small.prepare(3)
+    meta = small.prepare(3)
+    q, k = torch.zeros(1, 4, 4, 16), torch.zeros(1, 2, 4, 16)
     with pytest.raises(ValueError, match=r"expects \[1, 2, 3, 16\]"):
-        small.update(0, torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16))
+        small.attend(0, q, k, k, meta)
 
 
 def test_stream_joins_to_the_decoded_answer(tmp_path):
@@ -276,40 +296,44 @@ def test_a_cache_larger_than_memory_is_refused_before_allocating():
         KVCache(32, 8, 128, 2**30, batch_size=2**7, dtype=torch.float16)
 
 
-def test_prepare_and_update_refuse_misuse(llama):
+def test_prepare_and_attend_refuse_misuse(llama):
     _, model = llama
     cache = KVCache.from_model(model, 20)
     for bad in (True, 2.0, "3"):
         with pytest.raises(ValueError, match="num_tokens"):
             cache.prepare(bad)
     assert cache.length == 0
-    cache.prepare(2)
-    k = torch.zeros(1, 2, 2, 16)
+    meta = cache.prepare(2)
+    q, k = torch.zeros(1, 4, 2, 16), torch.zeros(1, 2, 2, 16)
     with pytest.raises(ValueError, match="layer_idx=-1"):  # would silently pick the last
-        cache.update(-1, k, k)
+        cache.attend(-1, q, k, k, meta)
     with pytest.raises(ValueError, match="layer_idx=2"):
-        cache.update(2, k, k)
+        cache.attend(2, q, k, k, meta)
+    with pytest.raises(ValueError, match="StepMeta"):
+        cache.attend(0, q, k, k, None)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cache.attend(0, q, k, k, StepMeta(meta.positions))
     big = KVCache(2, 2, 16, 8, batch_size=2)
-    big.prepare(2)
+    big_meta = big.prepare(2)
     with pytest.raises(ValueError, match=r"expects \[2, 2, 2, 16\]"):
-        big.update(0, k, k)  # batch 1 into batch 2 would broadcast into both rows
+        big.attend(0, q, k, k, big_meta)  # batch 1 into batch 2 would broadcast into both rows
     with pytest.raises(ValueError, match="float32"):
-        cache.update(0, k.half(), k.half())
+        cache.attend(0, q, k.half(), k.half(), meta)
     with pytest.raises(ValueError, match="v \\[1, 2, 2, 8\\]"):
-        cache.update(0, k, torch.zeros(1, 2, 2, 8))
+        cache.attend(0, q, k, torch.zeros(1, 2, 2, 8), meta)
 
 
-def test_a_second_forward_without_prepare_is_an_error(llama):
+def test_a_second_forward_with_one_meta_is_an_error(llama):
     """One prepare() reserves positions for ONE forward: the last layer uses them up."""
     _, model = llama
     cache = KVCache.from_model(model, 20)
     with torch.inference_mode():
-        model(torch.tensor([PROMPT]), cache.prepare(len(PROMPT)), kv=cache)
-        positions = cache.prepare(1)
-        model(torch.tensor([[4]]), positions, kv=cache)
+        step(model, torch.tensor([PROMPT]), cache)
+        meta = cache.prepare(1)
+        model(torch.tensor([[4]]), meta.positions, kv=cache, meta=meta)
         stored = [t.clone() for t in cache.k]
         with pytest.raises(ValueError, match="call prepare"):
-            model(torch.tensor([[5]]), positions, kv=cache)  # would overwrite the slot
+            model(torch.tensor([[5]]), meta.positions, kv=cache, meta=meta)  # would overwrite
     assert all(torch.equal(a, b) for a, b in zip(stored, cache.k))
 
 

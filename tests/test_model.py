@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from helpers import FAMILIES, TINY, make_hf_model
-from minillm.model import ModelConfig, Transformer, load_model
+from minillm.model import ModelConfig, StepMeta, Transformer, load_model
 
 torch.set_num_threads(1)
 
@@ -42,7 +42,7 @@ def test_parity_with_transformers(family, tmp_path):
     assert max_diff(model, hf, PROMPTS) < 1e-4
 
 
-def test_sharded_checkpoint_and_last_only(tmp_path):
+def test_sharded_checkpoint_and_logits_index(tmp_path):
     hf = make_hf("llama_gqa_untied", tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
@@ -51,7 +51,8 @@ def test_sharded_checkpoint_and_last_only(tmp_path):
     ids = torch.tensor([PROMPTS[0]])
     pos = torch.arange(ids.shape[1])[None]
     with torch.inference_mode():
-        full, last = model(ids, pos), model(ids, pos, last_only=True)
+        meta = StepMeta(pos, logits_index=torch.tensor([ids.shape[1] - 1]))
+        full, last = model(ids, pos), model(ids, pos, meta=meta)
     assert last.shape == (1, 1, TINY["vocab_size"])
     torch.testing.assert_close(last[:, 0], full[:, -1])
 
@@ -69,12 +70,13 @@ def test_batch_of_equal_length_prompts(tmp_path):
 
 
 class RecordingKV:
-    """A kv object that keeps everything it is given: checks the hook's contract."""
+    """A kv object that keeps everything it is given: checks the backend contract
+    (store k and v, return attention of q over the row; meta carries the positions)."""
     def __init__(self):
         self.k, self.v, self.calls = {}, {}, []
 
-    def update(self, layer_idx, k, v):
-        self.calls.append((layer_idx, tuple(k.shape), tuple(v.shape)))
+    def attend(self, layer_idx, q, k, v, meta):
+        self.calls.append((layer_idx, tuple(k.shape), tuple(v.shape), meta.positions.tolist()))
         if layer_idx in self.k:
             self.k[layer_idx] = torch.cat([self.k[layer_idx], k], dim=2)
             self.v[layer_idx] = torch.cat([self.v[layer_idx], v], dim=2)
@@ -82,23 +84,29 @@ class RecordingKV:
             self.k[layer_idx], self.v[layer_idx] = k, v
         S, T = self.k[layer_idx].shape[2], k.shape[2]
         mask = torch.ones(T, S, dtype=torch.bool).tril(diagonal=S - T)  # causal over the cached prefix
-        return self.k[layer_idx], self.v[layer_idx], mask
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, self.k[layer_idx], self.v[layer_idx], attn_mask=mask, enable_gqa=True)
 
 
-def test_kv_hook_contract_gives_the_same_logits(tmp_path):
+def test_kv_backend_contract_gives_the_same_logits(tmp_path):
     make_hf("llama_gqa_untied", tmp_path)
     model = load_model(tmp_path, device="cpu")
     ids = torch.tensor([PROMPTS[2][:12]])
     kv = RecordingKV()
     with torch.inference_mode():
         full = model(ids, torch.arange(12)[None])
-        first = model(ids[:, :8], torch.arange(8)[None], kv=kv)
-        rest = [model(ids[:, t:t + 1], torch.tensor([[t]]), kv=kv, last_only=True) for t in range(8, 12)]
-    # each layer receives K/V with n_kv_heads (not repeated to the query heads)
-    assert kv.calls[0] == (0, (1, 2, 8, 16), (1, 2, 8, 16))
+        first = model(ids[:, :8], torch.arange(8)[None], kv=kv, meta=StepMeta(torch.arange(8)[None]))
+        rest = []
+        for t in range(8, 12):
+            meta = StepMeta(torch.tensor([[t]]), logits_index=torch.tensor([0]))
+            rest.append(model(ids[:, t:t + 1], meta.positions, kv=kv, meta=meta))
+    # each layer receives K/V with n_kv_heads (not repeated to the query heads), and the meta
+    assert kv.calls[0] == (0, (1, 2, 8, 16), (1, 2, 8, 16), [list(range(8))])
     assert [c[0] for c in kv.calls[:2]] == [0, 1]
     torch.testing.assert_close(first, full[:, :8], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat(rest, dim=1), full[:, 8:], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="meta=StepMeta"):
+        model(ids, torch.arange(12)[None], kv=kv)
 
 
 def test_config_from_hf_fields(tmp_path):
