@@ -55,6 +55,9 @@ def test_poisson_arrivals_grow_at_about_the_rate(folder):
     assert times[0] > 0 and all(a < b for a, b in zip(times, times[1:]))
     assert 0.8 / 20 < times[-1] / 400 < 1.2 / 20  # mean gap: 1 / rate
     assert times == [r.arrival_s for r in workload(folder, num_requests=400, rate=20.0)]
+    offline = workload(folder, num_requests=400)  # the same requests, arriving at 0
+    assert [(r.prompt_ids, r.output_len) for r in offline] == [
+        (r.prompt_ids, r.output_len) for r in requests]
 
 
 @pytest.mark.skipif(bs.shakespeare_missing(bundled_model_path()) is not None,
@@ -283,3 +286,14 @@ def test_recorded_reference_data_is_complete(mode):
     assert len(records) == 5 * 64
     assert all(float(x["arrival_s"]) <= float(x["first_token_s"]) <= float(x["finish_s"])
                for x in records)
+
+
+def test_recorded_runs_serve_the_same_requests():
+    """Offline and online differ only in the arrival times."""
+    reference = repo_root() / "data" / "benchmarks"
+    lengths = {}
+    for mode in ("offline", "rate4"):
+        path = reference / f"serve_bundled_cpu_{mode}_requests.csv"
+        lengths[mode] = [(x["request"], x["prompt_tokens"], x["output_tokens"])
+                         for x in csv.DictReader(path.open())]
+    assert lengths["offline"] == lengths["rate4"]
