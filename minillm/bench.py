@@ -330,6 +330,7 @@ def write_csv(result: KVBenchmark, folder: str | Path) -> tuple[Path, Path]:
         for rows in (summary_rows, step_rows):
             fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=".tmp")
             temps.append(tmp)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private (0o600); a CSV is not
             with os.fdopen(fd, "w", newline="") as f:
                 csv.writer(f).writerows(rows)
                 f.flush()
