@@ -150,3 +150,12 @@ def test_chapter_has_exercises_and_a_summary(path):
     text = markdown(path)
     assert re.search(r"^## Exercises\s*$", text, re.M), f"{path.name}: no `## Exercises` section"
     assert re.search(r"^## .*Summary", text, re.M | re.I), f"{path.name}: no summary section"
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists packages by name: a new subpackage (minillm/engine, ...) that is
+    not listed would be missing from a wheel or a non-editable install."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "minillm").rglob("__init__.py")}
+    assert folders == listed, f"pyproject.toml [tool.setuptools] packages={sorted(listed)}; the package folders are {sorted(folders)}"

@@ -192,7 +192,7 @@ def request_metrics(seq: Sequence) -> dict:
                 first_token=seq.first_token_time, finish=seq.finish_time,
                 prompt_tokens=len(seq.prompt_ids), output_tokens=n)
 
-
+# %% ../../chapters/04_continuous_batching.ipynb #c45b-llm
 def _is_one_prompt(prompts) -> bool:
     """Text, or token ids (a list of ints, a 1-D tensor or array): one prompt."""
     if isinstance(prompts, str):
