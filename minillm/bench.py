@@ -14,6 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,7 +33,8 @@ from .utils import bundled_model_path, pick_device, synchronize
 __all__ = ['MODELS', 'DEFAULT_OUT', 'hardware_name', 'StepClock', 'Method', 'greedy', 'minillm_methods', 'transformers_method',
            'weight_nbytes', 'Measurement', 'memory_kind', 'measure', 'KVBenchmark', 'random_prompt', 'check_counts',
            'check_fits', 'run_kv_benchmark', 'summarise', 'format_table', 'csv_stem', 'write_csv',
-           'random_model_folder', 'model_folder', 'writable_folder', 'kv_parser', 'check_kv_args', 'main']
+           'random_model_folder', 'model_folder', 'writable_folder', 'add_run_arguments', 'check_run_arguments',
+           'torch_threads', 'report', 'kv_parser', 'check_kv_args', 'main']
 
 # %% ../chapters/03_kv_cache.ipynb #c040
 def hardware_name(device: str | torch.device) -> str:
@@ -408,6 +410,58 @@ def writable_folder(folder: str | Path) -> Path:
     return folder
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """--device, --threads, --out and --no-csv: what every benchmark command takes."""
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="default: cuda if available")
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"torch CPU threads, 1 to {os.cpu_count() or 1} "
+                             "(default: torch's choice)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"folder for the CSV files (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--no-csv", action="store_true", help="print the table only")
+
+
+def check_run_arguments(args: argparse.Namespace) -> torch.device:
+    """--threads, --device and --out, checked before any work. Returns the device."""
+    cpus = os.cpu_count() or 1
+    if args.threads is not None and not 1 <= args.threads <= cpus:
+        raise ValueError(f"--threads={args.threads}: allowed 1 to {cpus} "
+                         "(the CPUs of this machine)")
+    device = pick_device(args.device)  # 'cuda' without a GPU: ValueError
+    if not args.no_csv:
+        writable_folder(args.out)
+    return device
+
+
+@contextmanager
+def torch_threads(threads: int | None):
+    """Run the body with `threads` torch CPU threads (None: unchanged), then restore."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def report(table: str, write_files, args: argparse.Namespace) -> int:
+    """Print the table; unless --no-csv, write the files. Returns the exit status."""
+    print(table)
+    if args.no_csv:
+        return 0
+    try:
+        paths = write_files(args.out)
+    except OSError as e:
+        print(f"error: could not write the CSV files to {args.out}: {e}",
+              file=sys.stderr)
+        return 1
+    for path in paths:
+        print("wrote", path)
+    return 0
+
+
 def kv_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minillm.bench",
                                      description="minillm benchmarks")
@@ -418,27 +472,14 @@ def kv_parser() -> argparse.ArgumentParser:
     kv.add_argument("--new-tokens", type=int, default=100, help="at least 2")
     kv.add_argument("--prompt-tokens", type=int, default=256, help="at least 1")
     kv.add_argument("--repeats", type=int, default=3, help="at least 1")
-    kv.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                    help="default: cuda if available")
-    kv.add_argument("--threads", type=int, default=None,
-                    help=f"torch CPU threads, 1 to {os.cpu_count() or 1} "
-                         "(default: torch's choice)")
-    kv.add_argument("--out", default=DEFAULT_OUT,
-                    help=f"folder for the CSV files (default: ./{DEFAULT_OUT})")
-    kv.add_argument("--no-csv", action="store_true", help="print the table only")
+    add_run_arguments(kv)
     return parser
 
 # %% ../chapters/03_kv_cache.ipynb #c052b
 def check_kv_args(args: argparse.Namespace) -> tuple[Path, torch.device]:
     """Every argument, checked before any work. Returns (model folder, device)."""
     check_counts(args.new_tokens, args.prompt_tokens, args.repeats)
-    cpus = os.cpu_count() or 1
-    if args.threads is not None and not 1 <= args.threads <= cpus:
-        raise ValueError(f"--threads={args.threads}: allowed 1 to {cpus} "
-                         "(the CPUs of this machine)")
-    device = pick_device(args.device)  # 'cuda' without a GPU: ValueError
-    if not args.no_csv:
-        writable_folder(args.out)
+    device = check_run_arguments(args)
     folder = model_folder(args.model)
     check_fits(ModelConfig.from_hf(folder), args.new_tokens, args.prompt_tokens)
     return folder, device
@@ -451,26 +492,11 @@ def main(argv: list[str] | None = None) -> int:
         folder, device = check_kv_args(args)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))  # prints the usage and the message, exits with status 2
-    threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         result = run_kv_benchmark(folder, args.new_tokens, args.prompt_tokens,
                                   args.repeats, device)
-    finally:
-        torch.set_num_threads(threads)
     result.info["model"] = args.model if args.model in MODELS else folder.resolve().name
-    print(format_table(result))
-    if not args.no_csv:
-        try:
-            paths = write_csv(result, args.out)
-        except OSError as e:
-            print(f"error: could not write the CSV files to {args.out}: {e}",
-                  file=sys.stderr)
-            return 1
-        for path in paths:
-            print("wrote", path)
-    return 0
+    return report(format_table(result), lambda out: write_csv(result, out), args)
 
 
 # `python -m minillm.bench ...` runs main(); in a notebook (__name__ is also "__main__")

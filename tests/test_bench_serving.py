@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import make_hf_model
+from minillm import bench
 from minillm import bench_serving as bs
 from minillm.model import ModelConfig
 from minillm.utils import bundled_model_path, repo_root
@@ -255,7 +256,7 @@ def test_the_command_writes_its_csv_files(folder, tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(tmp_path)
     assert bs.main(["--model", str(folder), "--threads", "1", *SMALL_CLI,
                     "--methods", "minillm-one-by-one", "minillm-continuous"]) == 0
-    written = tmp_path / bs.DEFAULT_OUT / "serve_tiny-model_cpu_offline.csv"
+    written = tmp_path / bench.DEFAULT_OUT / "serve_tiny-model_cpu_offline.csv"
     out = capsys.readouterr().out
     assert written.is_file() and "minillm continuous" in out and "wrote" in out
     assert "torch threads: 1" in written.read_text()  # --threads applied to the run
