@@ -1,0 +1,303 @@
+"""minillm.quant (chapter 5): absmax int8 quantization keeps every weight within half a step;
+W8A16 and W8A8 layers compute what their int math says; quantize() swaps the right layers,
+refuses bad input without changing anything, and the quantized model runs in chapter 3's loop
+and chapter 4's engine with the same tokens, while the model file on disk stays untouched."""
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from minillm.engine import LLM
+from minillm.kvcache import generate
+from minillm.model import load_model
+from minillm.quant import (Int8Int8Linear, Int8Linear, absmax_quantize, dequantize,
+                           int8_matmul, is_quantized, quantize)
+from minillm.sampling import SamplingParams
+from minillm.tokenizer import Tokenizer
+
+torch.set_num_threads(1)
+
+SHAKESPEARE = Path(__file__).resolve().parent.parent / "data" / "tiny-shakespeare"
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
+    return load_model(SHAKESPEARE, dtype=torch.float32, device="cpu")
+
+
+def state(model: nn.Module) -> dict:
+    """Every parameter and buffer, cloned, with the module classes: to check 'unchanged'."""
+    tensors = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"tensors": tensors, "classes": [type(m) for m in model.modules()]}
+
+
+def same_state(a: dict, b: dict) -> bool:
+    return (a["classes"] == b["classes"] and a["tensors"].keys() == b["tensors"].keys()
+            and all(torch.equal(a["tensors"][k], b["tensors"][k]) for k in a["tensors"]))
+
+
+def small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16, bias=False))
+
+
+# --- absmax_quantize -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("group_size", [None, 1, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_error_is_at_most_half_a_step(group_size, dtype):
+    torch.manual_seed(1)
+    w = (torch.randn(48, 64) * torch.logspace(-3, 1, 48)[:, None]).to(dtype)
+    w[3, 5] = 40.0  # an outlier only widens its own row's (or group's) step
+    q, s = absmax_quantize(w, group_size)
+    groups = 1 if group_size is None else 64 // group_size
+    assert q.dtype == torch.int8 and q.shape == (48, 64)
+    assert s.dtype == torch.float32 and s.shape == (48, groups)
+    assert q.abs().max() <= 127 and (q.view(48, groups, -1).abs().amax(-1) == 127).all()
+    steps = s.repeat_interleave(64 // groups, dim=1)
+    err = (w.float() - dequantize(q, s)).abs()
+    assert (err <= steps / 2 * (1 + 1e-5)).all()
+
+
+def test_groups_give_smaller_errors_than_channels():
+    torch.manual_seed(2)
+    w = torch.randn(32, 256)
+    w[:, 0] = 20.0  # one large input column: groups keep it out of the other groups' steps
+    errors = {g: (w - dequantize(*absmax_quantize(w, g))).abs().mean() for g in (None, 32)}
+    assert errors[32] < errors[None] / 2
+
+
+def test_zero_rows_stay_zero():
+    w = torch.zeros(4, 8)
+    w[1] = torch.linspace(-1, 1, 8)
+    q, s = absmax_quantize(w)
+    assert torch.equal(q[0], torch.zeros(8, dtype=torch.int8)) and torch.isfinite(s).all()
+    assert torch.equal(dequantize(q, s)[0], torch.zeros(8))
+
+
+@pytest.mark.parametrize("w, group_size, match", [
+    (torch.randn(8), None, r"2-D"),
+    (torch.randn(2, 8, 8), None, r"2-D"),
+    (torch.ones(4, 8, dtype=torch.int32), None, r"float"),
+    ([[1.0, 2.0]], None, r"list"),
+    (torch.randn(4, 8), 3, r"group_size=3 .*in_features=8"),
+    (torch.randn(4, 8), 0, r"group_size=0"),
+    (torch.randn(4, 8), 16, r"group_size=16"),
+    (torch.randn(4, 8), 2.0, r"group_size=2.0"),
+    (torch.randn(4, 8), True, r"group_size=True"),
+])
+def test_absmax_quantize_refuses_bad_input(w, group_size, match):
+    with pytest.raises(ValueError, match=match):
+        absmax_quantize(w, group_size)
+
+
+# --- the layers ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("group_size", [None, 16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_w8a16_layer_is_the_float_layer_of_its_dequantized_weight(group_size, bias):
+    torch.manual_seed(3)
+    linear = nn.Linear(64, 24, bias=bias)
+    before = copy.deepcopy(linear.state_dict())
+    layer = Int8Linear.from_linear(linear, group_size)
+    assert layer.weight.dtype == torch.int8 and layer.weight.shape == (24, 64)
+    assert layer.scale.shape == (24, 1 if group_size is None else 4)
+    assert [n for n, _ in layer.named_parameters()] == (["bias"] if bias else [])
+    x = torch.randn(2, 5, 64)
+    q, s = absmax_quantize(linear.weight, group_size)
+    expected = nn.functional.linear(x, dequantize(q, s), linear.bias)
+    torch.testing.assert_close(layer(x), expected)
+    assert layer(x).shape == (2, 5, 24)
+    assert all(torch.equal(before[k], v) for k, v in linear.state_dict().items())
+
+
+def test_w8a16_keeps_the_activation_dtype():
+    linear = nn.Linear(32, 8).to(torch.bfloat16)
+    layer = Int8Linear.from_linear(linear)
+    assert layer.scale.dtype == torch.bfloat16
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    assert layer(x).dtype == torch.bfloat16
+    torch.testing.assert_close(layer(x).float(), linear(x).float(), atol=0.1, rtol=0.05)
+
+
+def int_reference(layer: Int8Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """W8A8 in float64: per-token absmax of x, integer sums, both scales, the bias."""
+    rows = x.reshape(-1, x.shape[-1]).double()
+    sx = (rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127).float().double()
+    qx = (rows.float() / sx.float()).round().clamp(-127, 127).double()
+    y = (qx @ layer.weight.double().T) * sx * layer.scale.double().view(1, -1)
+    if layer.bias is not None:
+        y = y + layer.bias.double()
+    return y.reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 40])
+def test_w8a8_equals_a_float64_reference_of_the_int_math(rows):
+    torch.manual_seed(4)
+    linear = nn.Linear(96, 40)
+    layer = Int8Int8Linear.from_linear(linear)
+    x = torch.randn(rows, 96) * 3
+    torch.testing.assert_close(layer(x).double(), int_reference(layer, x),
+                               atol=1e-5, rtol=1e-5)
+    rel = (layer(x) - linear(x)).norm() / linear(x).norm()
+    assert rel < 0.02
+
+
+def test_int8_matmul_is_exact():
+    torch.manual_seed(5)
+    a = torch.randint(-127, 128, (7, 4096), dtype=torch.int8)
+    b = torch.randint(-127, 128, (4096, 24), dtype=torch.int8)
+    out = int8_matmul(a, b)
+    assert out.dtype == torch.int32
+    assert torch.equal(out.long(), a.long() @ b.long())
+
+
+def test_w8a8_refuses_groups():
+    with pytest.raises(ValueError, match=r"group_size=16"):
+        Int8Int8Linear(64, 8, group_size=16)
+
+
+# --- quantize() ----------------------------------------------------------------------------
+
+def linear_names(model: nn.Module, cls=nn.Linear) -> set[str]:
+    return {n for n, m in model.named_modules() if type(m) is cls}
+
+
+@pytest.mark.parametrize("mode, cls", [("w8a16", Int8Linear), ("w8a8", Int8Int8Linear)])
+def test_quantize_swaps_every_linear_but_lm_head(shakespeare, mode, cls):
+    model = copy.deepcopy(shakespeare)
+    names = linear_names(model)
+    assert quantize(model, mode) is model
+    assert linear_names(model, cls) == names - {"lm_head"}
+    assert linear_names(model) == {"lm_head"}
+    assert torch.equal(model.lm_head.weight, shakespeare.lm_head.weight)
+    assert is_quantized(model) and not is_quantized(shakespeare)
+    layer = model.layers[2].mlp.down_proj
+    q, s = absmax_quantize(shakespeare.layers[2].mlp.down_proj.weight)
+    assert torch.equal(layer.weight, q) and torch.equal(layer.scale, s)
+
+
+def test_quantize_skips_by_name_or_full_path(shakespeare):
+    model = quantize(copy.deepcopy(shakespeare), "w8a16",
+                     skip=("lm_head", "down_proj", "layers.0.self_attn.q_proj"))
+    floats = linear_names(model)
+    assert floats == {"lm_head", "layers.0.self_attn.q_proj"} | {
+        f"layers.{i}.mlp.down_proj" for i in range(len(model.layers))}
+    everything = quantize(copy.deepcopy(shakespeare), "w8a16", skip=())
+    assert linear_names(everything) == set()
+
+
+def test_quantize_with_groups(shakespeare):
+    model = quantize(copy.deepcopy(shakespeare), "w8a16", group_size=32)
+    layer = model.layers[0].mlp.down_proj  # 704 inputs
+    assert layer.group_size == 32 and layer.scale.shape == (layer.out_features, 704 // 32)
+
+
+def test_quantized_bytes_are_about_half_of_float16(shakespeare):
+    model = quantize(copy.deepcopy(shakespeare), "w8a16")
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    int8 = sum(t.numel() * t.element_size() for m in layers
+               for t in [*m.buffers(), *m.parameters()])
+    fp16 = sum(m.weight.numel() * 2 for m in layers)
+    assert int8 <= 0.52 * fp16
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mode": "int4"}, r"mode='int4'"),
+    ({"mode": None}, r"mode=None"),
+    ({"group_size": 100}, r"group_size=100 .*in_features=\d+"),
+    ({"group_size": 0}, r"group_size=0"),
+    ({"group_size": "32"}, r"group_size='32'"),
+    ({"mode": "w8a8", "group_size": 32}, r"group_size=32.*w8a16"),
+    ({"skip": "lm_head"}, r"skip='lm_head'"),
+])
+def test_bad_input_is_refused_and_changes_nothing(shakespeare, kwargs, match):
+    model = copy.deepcopy(shakespeare)
+    before = state(model)
+    with pytest.raises(ValueError, match=match):
+        quantize(model, **kwargs)
+    assert same_state(before, state(model))
+
+
+def test_group_size_is_checked_on_every_layer_before_any_changes():
+    net = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 8))  # 32 divides 64, not 48
+    before = state(net)
+    with pytest.raises(ValueError, match=r"group_size=32 .*1\.in_features=48"):
+        quantize(net, "w8a16", group_size=32, skip=())
+    assert same_state(before, state(net))
+
+
+def test_non_2d_weight_is_refused():
+    net = small_net()
+    net[0].weight = nn.Parameter(torch.randn(32, 64, 1))
+    before = state(net)
+    with pytest.raises(ValueError, match=r"0\.weight has shape \(32, 64, 1\)"):
+        quantize(net, skip=())
+    assert same_state(before, state(net))
+
+
+def test_not_a_model_is_refused():
+    with pytest.raises(ValueError, match=r"model: .*dict"):
+        quantize({"weight": torch.ones(2, 2)})
+
+
+@pytest.mark.parametrize("first, second", [("w8a16", "w8a16"), ("w8a16", "w8a8"),
+                                           ("w8a8", "w8a16")])
+def test_already_quantized_model_is_refused(first, second):
+    net = quantize(small_net(), first, skip=())
+    before = state(net)
+    with pytest.raises(ValueError, match=r"quantized already"):
+        quantize(net, second)
+    assert same_state(before, state(net))
+
+
+def test_small_net_with_bias_matches_float():
+    net = small_net()
+    x = torch.randn(5, 64)
+    expected = net(x)
+    for mode in ("w8a16", "w8a8"):
+        out = quantize(copy.deepcopy(net), mode, skip=())(x)
+        assert (out - expected).norm() / expected.norm() < 0.03
+
+
+# --- the quantized model in the loops and the engine ---------------------------------------
+
+def file_hash(folder: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(folder.iterdir()):
+        if f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_quantized_model_same_tokens_in_generate_and_engine(mode):
+    before = file_hash(SHAKESPEARE)
+    model = quantize(load_model(SHAKESPEARE, dtype=torch.float32, device="cpu"), mode)
+    tok = Tokenizer.from_pretrained(SHAKESPEARE)
+    prompts = [tok.encode(t) for t in ("ROMEO:\n", "JULIET:\nO ", "KING HENRY:\nNow")]
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    alone = [generate(model, p, params) for p in prompts]
+    assert all(len(a) == 24 for a in alone)
+    assert alone == [generate(model, p, params) for p in prompts]  # deterministic
+    llm = LLM(model, tok, max_num_seqs=2)  # 3 requests, 2 rows: one joins later
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
+    assert file_hash(SHAKESPEARE) == before
+
+
+def test_quantized_model_agrees_with_float32_on_text(shakespeare):
+    tok = Tokenizer.from_pretrained(SHAKESPEARE)
+    text = "ROMEO:\nBut soft, what light through yonder window breaks?\n" * 3
+    ids = torch.tensor([tok.encode(text)])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        ref = shakespeare(ids, positions)
+        for mode, floor in (("w8a16", 0.99), ("w8a8", 0.95)):
+            logits = quantize(copy.deepcopy(shakespeare), mode)(ids, positions)
+            agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean()
+            assert agree >= floor, mode
