@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 # %% auto #0
 __all__ = ['MODES', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'int8_matmul', 'Int8Int8Linear',
-           'is_quantized', 'quantize']
+           'is_quantized', 'bnb_missing', 'bnb_from_linear', 'quantize']
 
 # %% ../chapters/05_int8.ipynb #c11-absmax
 def absmax_quantize(w: torch.Tensor, group_size: int | None = None
@@ -141,28 +141,59 @@ class Int8Int8Linear(Int8Linear):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 # %% ../chapters/05_int8.ipynb #c41-quantize
-MODES = {"w8a16": Int8Linear, "w8a8": Int8Int8Linear}
+MODES = {"w8a16": Int8Linear, "w8a8": Int8Int8Linear, "bnb-int8": None}
 
 
 def is_quantized(model: nn.Module) -> bool:
-    """Whether any layer of the model holds int8 weights already."""
-    return any(isinstance(m, Int8Linear) for m in model.modules())
+    """Whether any layer of the model holds int8 weights (ours or bitsandbytes')."""
+    return any(isinstance(m, Int8Linear) or type(m).__name__ == "Linear8bitLt"
+               for m in model.modules())
+
+
+def bnb_missing() -> str | None:
+    """Why mode="bnb-int8" cannot run here (None: it can)."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        return f"bitsandbytes is not installed (pip install bitsandbytes): {e}"
+    return None
+
+
+def bnb_from_linear(linear: nn.Linear, threshold: float = 6.0) -> nn.Module:
+    """LLM.int8() (bitsandbytes' Linear8bitLt) holding a quantized copy of `linear`.
+
+    Inputs with a feature above `threshold` in magnitude (an outlier feature) are
+    multiplied in float16 for that feature; everything else in int8.
+    """
+    import bitsandbytes as bnb
+
+    w = linear.weight.detach()
+    layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features,
+                                bias=linear.bias is not None, has_fp16_weights=False,
+                                threshold=threshold)
+    layer.weight = bnb.nn.Int8Params(w.to("cpu", copy=True), requires_grad=False,
+                                     has_fp16_weights=False)
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(linear.bias.detach().to("cpu", copy=True))
+    return layer.to(w.device)  # bitsandbytes quantizes the weight when it moves
 
 
 def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = None,
              skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
     """Swap the model's nn.Linear layers for int8 ones, in place; returns the model.
 
-    mode: "w8a16" (int8 weights, float activations) or "w8a8" (activations quantized per
-    token too). group_size: one scale per that many inputs (w8a16 only); None: one per
-    output channel. skip: layers left in float, by name ("lm_head") or full path
+    mode: "w8a16" (int8 weights, float activations), "w8a8" (activations quantized per
+    token too) or "bnb-int8" (bitsandbytes' LLM.int8(), outlier threshold 6.0).
+    group_size: one scale per that many inputs (w8a16 only); None: one per output
+    channel. skip: layers left in float, by name ("lm_head") or full path
     ("layers.0.mlp.down_proj"). Bad input raises ValueError and changes nothing.
     """
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode={mode!r}: give one of {sorted(MODES)}")
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: give a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+    if (not isinstance(skip, (tuple, list, set, frozenset))
+            or not all(isinstance(s, str) for s in skip)):
         raise ValueError(f"skip={skip!r}: give a tuple of layer names, "
                          "e.g. ('lm_head',)")
     if is_quantized(model):
@@ -170,6 +201,8 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
                          "in another mode")
     if group_size is not None and mode != "w8a16":
         raise ValueError(f"group_size={group_size!r}: only mode='w8a16' has groups")
+    if mode == "bnb-int8" and bnb_missing():
+        raise ImportError(f"mode='bnb-int8': {bnb_missing()}")
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and name not in skip
                and name.rsplit(".", 1)[-1] not in skip]
@@ -184,5 +217,7 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MODES[mode].from_linear(linear, group_size))
+        new = (bnb_from_linear(linear) if mode == "bnb-int8"
+               else MODES[mode].from_linear(linear, group_size))
+        setattr(parent, child, new)
     return model

@@ -15,8 +15,8 @@ import torch.nn as nn
 from minillm.engine import LLM
 from minillm.kvcache import generate
 from minillm.model import load_model
-from minillm.quant import (Int8Int8Linear, Int8Linear, absmax_quantize, dequantize,
-                           int8_matmul, is_quantized, quantize)
+from minillm.quant import (Int8Int8Linear, Int8Linear, absmax_quantize, bnb_missing,
+                           dequantize, int8_matmul, is_quantized, quantize)
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
@@ -210,11 +210,14 @@ def test_quantized_bytes_are_about_half_of_float16(shakespeare):
 @pytest.mark.parametrize("kwargs, match", [
     ({"mode": "int4"}, r"mode='int4'"),
     ({"mode": None}, r"mode=None"),
+    ({"mode": ["w8a16"]}, r"mode=\['w8a16'\]"),
+    ({"mode": "bnb-int8", "group_size": 32}, r"group_size=32.*w8a16"),
     ({"group_size": 100}, r"group_size=100 .*in_features=\d+"),
     ({"group_size": 0}, r"group_size=0"),
     ({"group_size": "32"}, r"group_size='32'"),
     ({"mode": "w8a8", "group_size": 32}, r"group_size=32.*w8a16"),
     ({"skip": "lm_head"}, r"skip='lm_head'"),
+    ({"skip": None}, r"skip=None"),
 ])
 def test_bad_input_is_refused_and_changes_nothing(shakespeare, kwargs, match):
     model = copy.deepcopy(shakespeare)
@@ -301,3 +304,38 @@ def test_quantized_model_agrees_with_float32_on_text(shakespeare):
             logits = quantize(copy.deepcopy(shakespeare), mode)(ids, positions)
             agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean()
             assert agree >= floor, mode
+
+
+# --- bitsandbytes LLM.int8() -----------------------------------------------------------------
+
+def test_bnb_mode_without_bitsandbytes_is_refused_and_changes_nothing(shakespeare, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "bitsandbytes", None)  # import fails
+    assert "pip install bitsandbytes" in bnb_missing()
+    model = copy.deepcopy(shakespeare)
+    before = state(model)
+    with pytest.raises(ImportError, match=r"bnb-int8.*pip install bitsandbytes"):
+        quantize(model, "bnb-int8")
+    assert same_state(before, state(model))
+
+
+@pytest.mark.skipif(bnb_missing() is not None, reason=str(bnb_missing()))
+def test_bnb_int8_swaps_layers_and_agrees_with_float32(shakespeare):
+    import bitsandbytes as bnb
+    model = quantize(copy.deepcopy(shakespeare), "bnb-int8")
+    swapped = {n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear8bitLt)}
+    assert swapped == linear_names(shakespeare) - {"lm_head"}
+    assert model.layers[0].mlp.up_proj.weight.dtype == torch.int8
+    assert is_quantized(model)
+    with pytest.raises(ValueError, match=r"quantized already"):
+        quantize(model, "w8a16")
+    tok = Tokenizer.from_pretrained(SHAKESPEARE)
+    ids = torch.tensor([tok.encode("ROMEO:\nBut soft, what light through yonder window\n" * 3)])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        agree = (model(ids, positions).argmax(-1) == shakespeare(ids, positions).argmax(-1))
+    assert agree.float().mean() >= 0.99
+    prompts = [tok.encode(t) for t in ("ROMEO:\n", "JULIET:\nO ")]
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    alone = [generate(model, p, params) for p in prompts]
+    llm = LLM(model, tok, max_num_seqs=2)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
