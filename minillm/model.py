@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['SUPPORTED_ARCHITECTURES', 'FLOAT_DTYPES', 'ModelConfig', 'RMSNorm', 'rope_frequencies', 'RotaryEmbedding',
-           'rotate_half', 'apply_rope', 'StepMeta', 'Attention', 'MLP', 'Block', 'Transformer', 'resolve_folder',
-           'safetensors_files', 'read_safetensors_header', 'resolve_device', 'load_model']
+__all__ = ['SUPPORTED_ARCHITECTURES', 'FLOAT_DTYPES', 'QUANTIZATIONS', 'ModelConfig', 'RMSNorm', 'rope_frequencies',
+           'RotaryEmbedding', 'rotate_half', 'apply_rope', 'StepMeta', 'Attention', 'MLP', 'Block', 'Transformer',
+           'resolve_folder', 'safetensors_files', 'read_safetensors_header', 'resolve_device', 'load_model']
 
 # %% ../chapters/02_naive_loop.ipynb #c010f
 _REQUIRED = object()
@@ -604,17 +604,26 @@ def _plan(files: list[Path], model: Transformer) -> dict[Path, list[str]]:
     return plan
 
 # %% ../chapters/02_naive_loop.ipynb #c026c
+QUANTIZATIONS = (None, "int8", "w8a16", "w8a8")  # Chapter 5; "int8" means "w8a16"
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
-               device: str | torch.device | None = None) -> Transformer:
+               device: str | torch.device | None = None,
+               quantization: str | None = None) -> Transformer:
     """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint (HF safetensors), in eval mode.
 
     Everything is checked first (config, files, names, shapes, device, dtype). Then the
     model is built on the meta device (no memory), given empty storage on `device`, and
     filled one tensor at a time, one file at a time: the host never holds two copies.
+    `quantization` ("int8", "w8a16" or "w8a8", Chapter 5) stores the linear layers
+    (not lm_head) in int8, quantizing each weight as it is read.
     """
     from safetensors import SafetensorError, safe_open
     from tqdm.auto import tqdm
 
+    if not (quantization is None
+            or isinstance(quantization, str) and quantization in QUANTIZATIONS):
+        raise ValueError(f"quantization={quantization!r}: give one of {QUANTIZATIONS}")
     device = resolve_device(device)
     if dtype is not None:
         dtype = _check_dtype(dtype, device)
@@ -633,6 +642,10 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
     with torch.device("meta"):
         model = Transformer(config)
     plan = _plan(files, model)  # every check passed: now allocate and read
+    fill = {}  # weight name -> the int8 layer's function that quantizes it as it loads
+    if quantization is not None:
+        from minillm.quant import int8_layers_on_meta  # Chapter 5
+        fill = int8_layers_on_meta(model, {"int8": "w8a16"}.get(quantization, quantization))
     model = model.to(dtype=dtype).to_empty(device=device)  # storage, not initialised
     if config.tie_word_embeddings:  # to_empty gave each its own tensor: tie again
         model.lm_head.weight = model.embed_tokens.weight
@@ -644,8 +657,12 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for key in plan[file]:
+                    name = key.removeprefix("model.")
                     with torch.no_grad():  # copy_ converts the dtype and the device
-                        params[key.removeprefix("model.")].copy_(f.get_tensor(key))
+                        if name in fill:
+                            fill[name](f.get_tensor(key))
+                        else:
+                            params[name].copy_(f.get_tensor(key))
         except SafetensorError as e:
             raise ValueError(f"{file} cannot be read ({e})") from None
     return model.eval()

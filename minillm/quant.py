@@ -3,13 +3,18 @@
 # %% ../chapters/05_int8.ipynb #c04-export-imports
 from __future__ import annotations
 
+import math
+import warnings
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 # %% auto #0
 __all__ = ['MODES', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'int8_matmul', 'Int8Int8Linear',
-           'is_quantized', 'bnb_missing', 'bnb_from_linear', 'quantize']
+           'fbgemm_missing', 'FbgemmLinear', 'is_quantized', 'bnb_missing', 'bnb_from_linear', 'quantize', 'perplexity',
+           'int8_layers_on_meta']
 
 # %% ../chapters/05_int8.ipynb #c11-absmax
 def absmax_quantize(w: torch.Tensor, group_size: int | None = None
@@ -80,6 +85,13 @@ class Int8Linear(nn.Module):
             layer.bias.data.copy_(linear.bias.detach())
         return layer
 
+    @torch.no_grad()
+    def load_float(self, w: torch.Tensor) -> None:
+        """Quantize a float weight [out, in] into this layer (where the layer lives)."""
+        q, scale = absmax_quantize(w.to(self.weight.device), self.group_size)
+        self.weight.copy_(q)
+        self.scale.copy_(scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group_size is None:  # scale each output once, after the matmul
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale.view(-1).to(x.dtype)
@@ -140,14 +152,61 @@ class Int8Int8Linear(Int8Linear):
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
+# %% ../chapters/05_int8.ipynb #c37-fbgemm
+def fbgemm_missing() -> str | None:
+    """Why mode="fbgemm" cannot run with this PyTorch (None: it can)."""
+    engines = set(torch.backends.quantized.supported_engines)
+    if not hasattr(torch.ops.quantized, "linear_dynamic") or not engines & {"fbgemm", "x86"}:
+        return (f"PyTorch {torch.__version__} has no fbgemm int8 kernels "
+                f"(quantized engines: {sorted(engines)}); use mode='w8a8'")
+    return None
+
+
+class FbgemmLinear(nn.Module):
+    """W8A8 on the CPU through PyTorch's fbgemm kernel (dynamic quantization).
+
+    Holds our absmax int8 weight (per output channel) packed for fbgemm; each call
+    quantizes the input to 7-bit uint8 (one scale and zero point per call), multiplies
+    in int8 and returns float. CPU only; the packed weight is not in the state_dict.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach()
+        if w.device.type != "cpu":
+            raise ValueError(f"FbgemmLinear runs on the CPU; this layer is on {w.device}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.has_bias = linear.bias is not None
+        q, scale = absmax_quantize(w)
+        bias = linear.bias.detach().float() if self.has_bias else None
+        with warnings.catch_warnings():  # PyTorch marks quantized tensors as deprecated
+            warnings.simplefilter("ignore")
+            qw = torch._make_per_channel_quantized_tensor(
+                q, scale.view(-1).double(), torch.zeros(len(q), dtype=torch.long), 0)
+            self._packed = torch.ops.quantized.linear_prepack(qw, bias)
+
+    def nbytes(self) -> int:
+        """Bytes of the int8 weight, its float32 scales and bias."""
+        return (self.in_features + 4 + 4 * self.has_bias) * self.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        y = torch.ops.quantized.linear_dynamic(rows, self._packed, True)  # 7-bit input
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.has_bias}")
+
 # %% ../chapters/05_int8.ipynb #c41-quantize
-MODES = {"w8a16": Int8Linear, "w8a8": Int8Int8Linear, "bnb-int8": None}
+MODES = {"w8a16": Int8Linear, "w8a8": Int8Int8Linear, "fbgemm": FbgemmLinear,
+         "bnb-int8": None}
 
 
 def is_quantized(model: nn.Module) -> bool:
     """Whether any layer of the model holds int8 weights (ours or bitsandbytes')."""
-    return any(isinstance(m, Int8Linear) or type(m).__name__ == "Linear8bitLt"
-               for m in model.modules())
+    return any(isinstance(m, (Int8Linear, FbgemmLinear))
+               or type(m).__name__ == "Linear8bitLt" for m in model.modules())
 
 
 def bnb_missing() -> str | None:
@@ -183,7 +242,8 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
     """Swap the model's nn.Linear layers for int8 ones, in place; returns the model.
 
     mode: "w8a16" (int8 weights, float activations), "w8a8" (activations quantized per
-    token too) or "bnb-int8" (bitsandbytes' LLM.int8(), outlier threshold 6.0).
+    token too), "fbgemm" (W8A8 with PyTorch's CPU kernel) or "bnb-int8" (bitsandbytes'
+    LLM.int8(), outlier threshold 6.0).
     group_size: one scale per that many inputs (w8a16 only); None: one per output
     channel. skip: layers left in float, by name ("lm_head") or full path
     ("layers.0.mlp.down_proj"). Bad input raises ValueError and changes nothing.
@@ -203,6 +263,13 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
         raise ValueError(f"group_size={group_size!r}: only mode='w8a16' has groups")
     if mode == "bnb-int8" and bnb_missing():
         raise ImportError(f"mode='bnb-int8': {bnb_missing()}")
+    if mode == "fbgemm":
+        if fbgemm_missing():
+            raise ValueError(f"mode='fbgemm': {fbgemm_missing()}")
+        away = {p.device for p in model.parameters()} - {torch.device("cpu")}
+        if away:
+            raise ValueError(f"mode='fbgemm' runs on the CPU; the model is on "
+                             f"{sorted(map(str, away))}: use 'w8a8' there")
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and name not in skip
                and name.rsplit(".", 1)[-1] not in skip]
@@ -217,7 +284,57 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        new = (bnb_from_linear(linear) if mode == "bnb-int8"
-               else MODES[mode].from_linear(linear, group_size))
+        if mode == "bnb-int8":
+            new = bnb_from_linear(linear)
+        elif mode == "fbgemm":
+            new = FbgemmLinear(linear)
+        else:
+            new = MODES[mode].from_linear(linear, group_size)
         setattr(parent, child, new)
     return model
+
+# %% ../chapters/05_int8.ipynb #c54-eval
+@torch.no_grad()
+def perplexity(model: nn.Module, ids: list[int] | torch.Tensor, window: int = 256) -> float:
+    """exp(mean negative log-likelihood) of `ids`, read in windows of `window` tokens."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    if ids.numel() < 2 or not isinstance(window, int) or window < 2:
+        raise ValueError(f"need at least 2 token ids and window >= 2; got {ids.numel()} "
+                         f"ids, window={window!r}")
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, ids.numel() - 1, window):
+        chunk = ids[start:start + window].to(device)[None]
+        if chunk.shape[1] < 2:
+            break
+        positions = torch.arange(chunk.shape[1], device=device)[None]
+        logits = model(chunk, positions).float()
+        loss = F.cross_entropy(logits[0, :-1], chunk[0, 1:], reduction="sum")
+        total, count = total + loss.item(), count + chunk.shape[1] - 1
+    return math.exp(total / count)
+
+# %% ../chapters/05_int8.ipynb #c63-onload
+def int8_layers_on_meta(model: nn.Module, mode: str = "w8a16",
+                        skip: tuple[str, ...] = ("lm_head",)
+                        ) -> dict[str, Callable[[torch.Tensor], None]]:
+    """Swap the nn.Linear layers of a model on the meta device for empty int8 layers.
+
+    Returns {weight name: fill(float_weight)}: the loader calls it with each float weight
+    it reads, and the layer stores its int8 copy. Used by load_model(quantization=...).
+    """
+    if mode not in ("w8a16", "w8a8"):
+        raise ValueError(f"mode={mode!r}: quantize-on-load supports 'w8a16' and 'w8a8'; "
+                         "for other modes load in float and call quantize()")
+    fill = {}
+    for name, linear in list(model.named_modules()):
+        if not isinstance(linear, nn.Linear) or name.rsplit(".", 1)[-1] in skip:
+            continue
+        if linear.weight.device.type != "meta":
+            raise ValueError(f"{name} is on {linear.weight.device}, not on the meta device")
+        layer = MODES[mode](linear.in_features, linear.out_features,
+                            linear.bias is not None, dtype=linear.weight.dtype,
+                            device="meta")
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        fill[f"{name}.weight"] = layer.load_float
+    return fill
