@@ -165,9 +165,11 @@ def fbgemm_missing() -> str | None:
 class FbgemmLinear(nn.Module):
     """W8A8 on the CPU through PyTorch's fbgemm kernel (dynamic quantization).
 
-    Holds our absmax int8 weight (per output channel) packed for fbgemm; each call
-    quantizes the input to 7-bit uint8 (one scale and zero point per call), multiplies
-    in int8 and returns float. CPU only; the packed weight is not in the state_dict.
+    Holds our absmax int8 weight (per output channel) packed for fbgemm. fbgemm quantizes
+    its input to 7 bits with one range per call; we divide each token by its absmax and add
+    two rows holding 1 and -1, so the range is always [-1, 1] and each token is quantized on
+    its own (the same result alone or in any batch). CPU only; the packed weight is not in
+    the state_dict.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -178,12 +180,16 @@ class FbgemmLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.has_bias = linear.bias is not None
         q, scale = absmax_quantize(w)
-        bias = linear.bias.detach().float() if self.has_bias else None
+        self.bias = (None if linear.bias is None  # added after the rescaling below
+                     else nn.Parameter(linear.bias.detach().float(), requires_grad=False))
+        frame = torch.zeros(2, self.in_features)  # two rows that pin fbgemm's input
+        frame[:, 0] = torch.tensor([1.0, -1.0])    # range to [-1, 1]
+        self.register_buffer("frame", frame, persistent=False)
         with warnings.catch_warnings():  # PyTorch marks quantized tensors as deprecated
             warnings.simplefilter("ignore")
             qw = torch._make_per_channel_quantized_tensor(
                 q, scale.view(-1).double(), torch.zeros(len(q), dtype=torch.long), 0)
-            self._packed = torch.ops.quantized.linear_prepack(qw, bias)
+            self._packed = torch.ops.quantized.linear_prepack(qw, None)
 
     def nbytes(self) -> int:
         """Bytes of the int8 weight, its float32 scales and bias."""
@@ -191,7 +197,10 @@ class FbgemmLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        y = torch.ops.quantized.linear_dynamic(rows, self._packed, True)  # 7-bit input
+        sx = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12)  # per token
+        y = torch.ops.quantized.linear_dynamic(torch.cat([rows / sx, self.frame]),
+                                               self._packed, True)[:-2] * sx
+        y = y if self.bias is None else y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ import torch.nn as nn
 from minillm.engine import LLM
 from minillm.kvcache import generate
 from minillm.model import load_model
-from minillm.quant import (Int8Int8Linear, Int8Linear, absmax_quantize, bnb_missing,
-                           dequantize, int8_matmul, is_quantized, quantize)
+from minillm.quant import (FbgemmLinear, Int8Int8Linear, Int8Linear, absmax_quantize,
+                           bnb_missing, dequantize, fbgemm_missing, int8_layers_on_meta,
+                           int8_matmul, is_quantized, perplexity, quantize)
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
@@ -339,3 +341,126 @@ def test_bnb_int8_swaps_layers_and_agrees_with_float32(shakespeare):
     alone = [generate(model, p, params) for p in prompts]
     llm = LLM(model, tok, max_num_seqs=2)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
+
+
+# --- fbgemm (PyTorch's CPU int8 kernel) -------------------------------------------------------
+
+needs_fbgemm = pytest.mark.skipif(fbgemm_missing() is not None, reason=str(fbgemm_missing()))
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("bias", [True, False])
+def test_fbgemm_layer_is_close_and_batch_invariant(bias):
+    torch.manual_seed(2)
+    linear = nn.Linear(96, 40, bias=bias)
+    layer = FbgemmLinear(linear)
+    x = torch.randn(2, 9, 96) * torch.logspace(-2, 2, 9)[None, :, None]  # tokens of any size
+    with torch.no_grad():
+        y = layer(x)
+        alone = torch.stack([torch.cat([layer(t[None]) for t in row]) for row in x])
+        ref = linear(x)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert torch.equal(y, alone)  # each token is quantized on its own: batch-invariant
+    rel = (y - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel.max() < 0.03  # every token, small or large, gets a fine step
+    assert layer.nbytes() == (96 + 4 + 4 * bias) * 40
+
+
+@needs_fbgemm
+def test_fbgemm_mode_swaps_layers_and_keeps_tokens(shakespeare):
+    model = quantize(copy.deepcopy(shakespeare), "fbgemm")
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "FbgemmLinear" in kinds and is_quantized(model)
+    assert type(model.lm_head) is nn.Linear  # skipped by default
+    ids = list(range(5, 40))
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    solo = generate(model, ids, params)
+    assert len(solo) == 12
+    out = LLM(model, None, max_num_seqs=3).generate([ids, ids[:10], ids], params,
+                                                   use_tqdm=False)
+    assert out[0].token_ids == solo and out[2].token_ids == solo
+
+
+def test_fbgemm_mode_refuses_a_model_off_the_cpu():
+    with torch.device("meta"):
+        net = small_net()
+    before = [type(m) for m in net.modules()]
+    with pytest.raises(ValueError, match="fbgemm.*CPU|CPU.*fbgemm|fbgemm"):
+        quantize(net, "fbgemm")
+    assert [type(m) for m in net.modules()] == before
+
+
+# --- quantize on load ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a16", "w8a8"])
+def test_load_model_quantizes_on_load_like_quantize(shakespeare, quantization):
+    mode = "w8a16" if quantization == "int8" else quantization
+    loaded = load_model(SHAKESPEARE, dtype=torch.float32, quantization=quantization)
+    expected = quantize(copy.deepcopy(shakespeare), mode)
+    cls = Int8Int8Linear if mode == "w8a8" else Int8Linear
+    got = {n: m for n, m in loaded.named_modules() if isinstance(m, Int8Linear)}
+    want = {n: m for n, m in expected.named_modules() if isinstance(m, Int8Linear)}
+    assert got.keys() == want.keys() and len(got) > 0
+    assert all(type(m) is cls for m in got.values())
+    for name, layer in got.items():
+        assert torch.equal(layer.weight, want[name].weight)
+        assert torch.equal(layer.scale, want[name].scale)
+    assert type(loaded.lm_head) is nn.Linear
+    ids = torch.arange(3, 30)[None]
+    pos = torch.arange(27)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, pos), expected(ids, pos))
+
+
+@pytest.mark.parametrize("bad", ["int4", "bnb-int8", "fbgemm", "", 8, True, ["int8"]])
+def test_load_model_refuses_other_quantizations(bad):
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(SHAKESPEARE, quantization=bad)
+
+
+def test_int8_layers_on_meta_refuses_real_tensors_and_other_modes():
+    with pytest.raises(ValueError, match="meta"):
+        int8_layers_on_meta(small_net(), "w8a16")
+    with torch.device("meta"):
+        net = small_net()
+    with pytest.raises(ValueError, match="quantize-on-load"):
+        int8_layers_on_meta(net, "bnb-int8")
+    fill = int8_layers_on_meta(net, "w8a16", skip=())
+    assert sorted(fill) == ["0.weight", "2.weight"]
+    assert all(type(m) is Int8Linear for m in (net[0], net[2]))
+
+
+# --- perplexity ------------------------------------------------------------------------------
+
+def test_perplexity_matches_a_direct_computation(shakespeare):
+    torch.manual_seed(3)
+    ids = torch.randint(0, shakespeare.config.vocab_size, (70,))
+    window = 32
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, 69, window):
+            chunk = ids[start:start + window]
+            if len(chunk) < 2:
+                continue
+            logp = shakespeare(chunk[None], torch.arange(len(chunk))[None]).log_softmax(-1)
+            total -= logp[0, :-1].gather(-1, chunk[1:, None]).sum().item()
+            count += len(chunk) - 1
+    assert perplexity(shakespeare, ids, window) == pytest.approx(math.exp(total / count),
+                                                                 rel=1e-5)
+
+
+@pytest.mark.parametrize("ids, window", [([5], 16), ([], 16), ([1, 2, 3], 1), ([1, 2], "8")])
+def test_perplexity_refuses_bad_input(shakespeare, ids, window):
+    with pytest.raises(ValueError):
+        perplexity(shakespeare, ids, window)
+
+
+def test_int8_perplexity_is_close_to_float_on_held_out_text(shakespeare):
+    from minillm.bench_serving import heldout_ids, shakespeare_missing
+    if shakespeare_missing(SHAKESPEARE):
+        pytest.skip(shakespeare_missing(SHAKESPEARE))
+    ids = heldout_ids(SHAKESPEARE)[:2048]
+    base = perplexity(shakespeare, ids, 256)
+    w8a16 = perplexity(quantize(copy.deepcopy(shakespeare), "w8a16"), ids, 256)
+    w8a8 = perplexity(quantize(copy.deepcopy(shakespeare), "w8a8"), ids, 256)
+    assert abs(w8a16 / base - 1) < 0.001 and abs(w8a8 / base - 1) < 0.005
