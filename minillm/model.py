@@ -645,7 +645,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
     fill = {}  # weight name -> the int8 layer's function that quantizes it as it loads
     if quantization is not None:
         from minillm.quant import int8_layers_on_meta  # Chapter 5
-        fill = int8_layers_on_meta(model, {"int8": "w8a16"}.get(quantization, quantization))
+        fill = int8_layers_on_meta(model, quantization)
     model = model.to(dtype=dtype).to_empty(device=device)  # storage, not initialised
     if config.tie_word_embeddings:  # to_empty gave each its own tensor: tie again
         model.lm_head.weight = model.embed_tokens.weight

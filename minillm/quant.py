@@ -156,7 +156,8 @@ class Int8Int8Linear(Int8Linear):
 def fbgemm_missing() -> str | None:
     """Why mode="fbgemm" cannot run with this PyTorch (None: it can)."""
     engines = set(torch.backends.quantized.supported_engines)
-    if not hasattr(torch.ops.quantized, "linear_dynamic") or not engines & {"fbgemm", "x86"}:
+    has_kernel = hasattr(torch.ops.quantized, "linear_dynamic")
+    if not has_kernel or not engines & {"fbgemm", "x86"}:
         return (f"PyTorch {torch.__version__} has no fbgemm int8 kernels "
                 f"(quantized engines: {sorted(engines)}); use mode='w8a8'")
     return None
@@ -165,23 +166,25 @@ def fbgemm_missing() -> str | None:
 class FbgemmLinear(nn.Module):
     """W8A8 on the CPU through PyTorch's fbgemm kernel (dynamic quantization).
 
-    Holds our absmax int8 weight (per output channel) packed for fbgemm. fbgemm quantizes
-    its input to 7 bits with one range per call; we divide each token by its absmax and add
-    two rows holding 1 and -1, so the range is always [-1, 1] and each token is quantized on
-    its own (the same result alone or in any batch). CPU only; the packed weight is not in
-    the state_dict.
+    Holds our absmax int8 weight (per output channel) packed for fbgemm. fbgemm
+    quantizes its input to 7 bits with one range per call; we divide each token by its
+    absmax and add two rows holding 1 and -1, so the range is always [-1, 1] and each
+    token is quantized on its own (the same result alone or in any batch). CPU only;
+    the packed weight is not in the state_dict.
     """
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         w = linear.weight.detach()
         if w.device.type != "cpu":
-            raise ValueError(f"FbgemmLinear runs on the CPU; this layer is on {w.device}")
+            raise ValueError(f"FbgemmLinear runs on the CPU; this layer is on "
+                             f"{w.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.has_bias = linear.bias is not None
         q, scale = absmax_quantize(w)
-        self.bias = (None if linear.bias is None  # added after the rescaling below
-                     else nn.Parameter(linear.bias.detach().float(), requires_grad=False))
+        self.bias = None  # added after the rescaling in forward
+        if linear.bias is not None:
+            self.bias = nn.Parameter(linear.bias.detach().float(), requires_grad=False)
         frame = torch.zeros(2, self.in_features)  # two rows that pin fbgemm's input
         frame[:, 0] = torch.tensor([1.0, -1.0])    # range to [-1, 1]
         self.register_buffer("frame", frame, persistent=False)
@@ -304,12 +307,13 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
 
 # %% ../chapters/05_int8.ipynb #c54-eval
 @torch.no_grad()
-def perplexity(model: nn.Module, ids: list[int] | torch.Tensor, window: int = 256) -> float:
-    """exp(mean negative log-likelihood) of `ids`, read in windows of `window` tokens."""
+def perplexity(model: nn.Module, ids: list[int] | torch.Tensor,
+               window: int = 256) -> float:
+    """exp(mean negative log-likelihood) of `ids`, read `window` tokens at a time."""
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
     if ids.numel() < 2 or not isinstance(window, int) or window < 2:
-        raise ValueError(f"need at least 2 token ids and window >= 2; got {ids.numel()} "
-                         f"ids, window={window!r}")
+        raise ValueError(f"need at least 2 token ids and window >= 2; got "
+                         f"{ids.numel()} ids, window={window!r}")
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for start in range(0, ids.numel() - 1, window):
@@ -323,27 +327,30 @@ def perplexity(model: nn.Module, ids: list[int] | torch.Tensor, window: int = 25
     return math.exp(total / count)
 
 # %% ../chapters/05_int8.ipynb #c63-onload
-def int8_layers_on_meta(model: nn.Module, mode: str = "w8a16",
+def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
                         skip: tuple[str, ...] = ("lm_head",)
                         ) -> dict[str, Callable[[torch.Tensor], None]]:
     """Swap the nn.Linear layers of a model on the meta device for empty int8 layers.
 
-    Returns {weight name: fill(float_weight)}: the loader calls it with each float weight
-    it reads, and the layer stores its int8 copy. Used by load_model(quantization=...).
+    Returns {weight name: fill(float_weight)}: the loader calls it with each float
+    weight it reads, and the layer stores its int8 copy (load_model(quantization=...)).
     """
-    if mode not in ("w8a16", "w8a8"):
-        raise ValueError(f"mode={mode!r}: quantize-on-load supports 'w8a16' and 'w8a8'; "
-                         "for other modes load in float and call quantize()")
+    if mode not in ("int8", "w8a16", "w8a8"):
+        raise ValueError(f"mode={mode!r}: quantize-on-load supports 'int8' (= 'w8a16')"
+                         " and 'w8a8'; for other modes load in float, then quantize()")
+    mode = "w8a16" if mode == "int8" else mode
     fill = {}
     for name, linear in list(model.named_modules()):
         if not isinstance(linear, nn.Linear) or name.rsplit(".", 1)[-1] in skip:
             continue
         if linear.weight.device.type != "meta":
-            raise ValueError(f"{name} is on {linear.weight.device}, not on the meta device")
+            raise ValueError(f"{name} is on {linear.weight.device}, not on the meta "
+                             "device")
         layer = MODES[mode](linear.in_features, linear.out_features,
                             linear.bias is not None, dtype=linear.weight.dtype,
                             device="meta")
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer)
         fill[f"{name}.weight"] = layer.load_float
     return fill
