@@ -98,6 +98,8 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) + max_new_tokens "
                              f"({seq.params.max_new_tokens}) = {seq.max_tokens} "
                              f"exceeds max_model_len={self.max_model_len}")
+        if self.kv.too_long(seq):
+            raise ValueError(self.kv.too_long(seq))
         budget = self.scheduler.max_num_batched_tokens
         if len(seq.prompt_ids) > budget:
             raise ValueError(f"the prompt has {len(seq.prompt_ids)} tokens; a step "
@@ -164,11 +166,11 @@ class LLMEngine:
         useful_tokens = (sum(len(s.prompt_ids) for s in seqs) if batch.is_prefill
                          else useful)
         running = self.scheduler.running
+        reserved, capacity = self.kv.usage()
         self.history.append(StepRecord(
             start, end, batch.is_prefill, len(seqs), useful, len(seqs) * T,
             useful_tokens, kv_tokens=sum(s.num_tokens for s in running),
-            kv_reserved=len(self.kv.row_of) * self.kv.max_seq_len,
-            kv_capacity=self.kv.batch_size * self.kv.max_seq_len))
+            kv_reserved=reserved, kv_capacity=capacity))
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45-front
 @dataclass

@@ -66,6 +66,17 @@ class SlotKVCache(KVCache):
         if row is not None:
             heapq.heappush(self.free_rows, row)
 
+    def too_long(self, seq: Sequence) -> str | None:
+        """Why a request can never run here (None: it fits a row)."""
+        if seq.max_tokens > self.max_seq_len:
+            return (f"request {seq.request_id!r} may need {seq.max_tokens} positions; "
+                    f"a row holds {self.max_seq_len}")
+        return None
+
+    def usage(self) -> tuple[int, int]:
+        """Positions reserved for running requests, and positions in all."""
+        return len(self.row_of) * self.max_seq_len, self.batch_size * self.max_seq_len
+
     # --- what the runner asks to build a step's StepMeta ---
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """The slots of positions start .. end-1 of `seq`."""
