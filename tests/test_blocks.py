@@ -85,8 +85,10 @@ def test_least_recently_freed_blocks_are_reused_first():
     bm.allocate("new", [7, 8])
     bm.publish()
     bm.free("new")
-    bm.allocate("big", [9, 9, 9, 9, 9])  # 3 blocks: the 2 never used, then old's 2nd
+    bm.allocate("big", [9, 9, 9])  # 2 blocks: the one never used, then old's last
+    assert bm.tables["big"] == [3, 1]
     assert bm.allocate("again", [1, 2, 5]) == 2  # old's first block is still cached
+    assert bm.tables["again"] == [0, 2]  # ... and new's block, the last one left
     bm.check()
 
 

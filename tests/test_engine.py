@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minillm.engine import LLM, LLMEngine
+from minillm.engine.paged import PagedKVCache
 from minillm.engine.slots import SlotKVCache
 from minillm.kvcache import KVCache, generate
 from minillm.model import StepMeta, load_model
@@ -184,7 +185,37 @@ def check_backend(model, make_kv) -> None:
             last = out[:, 0]
 
 
-BACKENDS = {"contiguous": ContiguousRows, "slots_shuffled": ShuffledSlotRows}
+class FragmentedBlocks:
+    """PagedKVCache (chapter 6) with blocks of 4: each row's blocks are scattered over the
+    pool (other requests took and gave back blocks first), tables of different lengths."""
+    def __init__(self, model, batch: int, max_len: int):
+        blocks_per_row = -(-max_len // 4)
+        self.kv = PagedKVCache.from_model(model, num_blocks=(batch + 2) * blocks_per_row,
+                                          block_size=4, enable_prefix_caching=False)
+        bm = self.kv.blocks
+        bm.allocate("other", [1] * (3 * blocks_per_row))  # taken, then partly given back
+        self.ids = [f"r{i}" for i in range(batch)]
+        for rid in self.ids:
+            bm.allocate(rid, [1] * 5)  # two blocks each, then more one at a time
+        bm.free("other")
+        rng = random.Random(2)
+        for _ in range(blocks_per_row - 2):
+            for rid in rng.sample(self.ids, batch):
+                tokens = [1] * (4 * len(bm.tables[rid]) + 1)
+                bm.append_slot(rid, tokens)
+        flat = [b for rid in self.ids for b in bm.tables[rid]]
+        assert flat != sorted(flat)  # really scattered
+
+    def slots(self, i: int, start: int, end: int) -> list[int]:
+        table = self.kv.blocks.tables[self.ids[i]]
+        return [table[p // 4] * 4 + p % 4 for p in range(start, end)]
+
+    def block_tables(self):
+        return torch.tensor([self.kv.blocks.tables[rid] for rid in self.ids])
+
+
+BACKENDS = {"contiguous": ContiguousRows, "slots_shuffled": ShuffledSlotRows,
+            "paged_fragmented": FragmentedBlocks}
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
