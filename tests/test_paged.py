@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minillm.engine import LLMEngine
-from minillm.engine.paged import PagedKVCache, PagedRunner, PagedScheduler
+from minillm.engine.paged import PagedKVCache
 from minillm.kvcache import generate
 from minillm.sampling import SamplingParams
 
@@ -28,15 +28,9 @@ def model(llama):
 
 def paged_engine(model, num_blocks: int, block_size: int = 4, prefix: bool = True,
                  max_num_seqs: int = 8) -> LLMEngine:
-    """Chapter 4's engine with chapter 6's parts (until the engine takes kv_cache=...)."""
-    engine = LLMEngine(model, None, max_num_seqs=max_num_seqs, max_model_len=64)
-    kv = PagedKVCache.from_model(model, num_blocks=num_blocks, block_size=block_size,
-                                 enable_prefix_caching=prefix)
-    engine.kv = kv
-    engine.scheduler = PagedScheduler(kv, max_num_seqs,
-                                      engine.scheduler.max_num_batched_tokens)
-    engine.runner = PagedRunner(model, kv)
-    return engine
+    return LLMEngine(model, None, max_num_seqs=max_num_seqs, max_model_len=64,
+                     kv_cache="paged", num_blocks=num_blocks, block_size=block_size,
+                     enable_prefix_caching=prefix)
 
 
 def run_all(engine, requests, arrivals=None) -> dict:
@@ -151,3 +145,17 @@ def test_a_request_longer_than_the_pool_is_refused_up_front(model):
 def test_bad_pool_sizes_are_refused(model, kwargs):
     with pytest.raises(ValueError):
         PagedKVCache.from_model(model, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"kv_cache": "pages"}, {"num_blocks": 8},
+                                    {"kv_cache": "paged", "policy": "static"},
+                                    {"kv_cache": "paged", "block_size": 12},
+                                    {"kv_cache": "paged", "blocks": 8}])
+def test_bad_engine_options_are_refused(model, kwargs):
+    with pytest.raises((ValueError, TypeError)):
+        LLMEngine(model, None, **kwargs)
+
+
+def test_default_pool_matches_the_slots_memory(model):
+    engine = LLMEngine(model, None, max_num_seqs=4, max_model_len=64, kv_cache="paged")
+    assert engine.kv.num_blocks * engine.kv.block_size == 4 * 64

@@ -52,7 +52,8 @@ class LLMEngine:
 
     def __init__(self, model, tokenizer=None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None, policy: str = "continuous"):
+                 max_model_len: int | None = None, policy: str = "continuous",
+                 kv_cache: str = "slots", **paged):
         context = model.config.context_length
         max_model_len = context if max_model_len is None else max_model_len
         max_num_batched_tokens = (max(2048, max_model_len)
@@ -68,10 +69,20 @@ class LLMEngine:
                              f"model's context of {context} positions")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_model_len = max_model_len
-        self.kv = SlotKVCache.from_model(model, max_num_seqs, max_model_len)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
-                                   policy)
-        self.runner = ModelRunner(model, self.kv)
+        if kv_cache == "paged":  # Chapter 6: blocks (num_blocks or kv_cache_bytes, ...)
+            from minillm.engine.paged import paged_parts
+            self.kv, self.scheduler, self.runner = paged_parts(
+                model, max_num_seqs, max_num_batched_tokens, max_model_len, policy,
+                **paged)
+        elif kv_cache == "slots":
+            if paged:
+                raise ValueError(f"{sorted(paged)}: options of kv_cache='paged'")
+            self.kv = SlotKVCache.from_model(model, max_num_seqs, max_model_len)
+            self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
+                                       policy)
+            self.runner = ModelRunner(model, self.kv)
+        else:
+            raise ValueError(f"kv_cache={kv_cache!r}: allowed 'slots' or 'paged'")
         self.requests: dict[str, Sequence] = {}  # every request not yet collected
         self.history: list[StepRecord] = []
         self._ids = itertools.count()
@@ -212,7 +223,7 @@ class LLM:
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, dtype=None, device=None,
-                 policy: str = "continuous"):
+                 policy: str = "continuous", kv_cache: str = "slots", **paged):
         if not isinstance(model, torch.nn.Module):  # a folder or a Hub name
             from minillm.model import load_model
             from minillm.tokenizer import Tokenizer
@@ -221,7 +232,7 @@ class LLM:
             if tokenizer is None:
                 tokenizer = Tokenizer.from_pretrained(path)
         self.engine = LLMEngine(model, tokenizer, max_num_seqs, max_num_batched_tokens,
-                                max_model_len, policy)
+                                max_model_len, policy, kv_cache, **paged)
 
     def generate(self, prompts, params: SamplingParams | list | None = None,
                  use_tqdm: bool = True) -> list[CompletionOutput]:

@@ -225,5 +225,22 @@ class PagedScheduler(Scheduler):
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+
+def paged_parts(model, max_num_seqs: int, max_num_batched_tokens: int,
+                max_model_len: int, policy: str = "continuous",
+                num_blocks: int | None = None, kv_cache_bytes: int | None = None,
+                block_size: int = 16, enable_prefix_caching: bool = True):
+    """The KV cache, scheduler and runner of LLMEngine(kv_cache="paged"). The pool is
+    num_blocks blocks, or as many as fit in kv_cache_bytes; neither: as many positions
+    as chapter 4's slots would reserve (max_num_seqs x max_model_len)."""
+    if policy != "continuous":
+        raise ValueError(f"policy={policy!r}: kv_cache='paged' schedules continuously")
+    if num_blocks is None and kv_cache_bytes is None:
+        num_blocks = -(-max_num_seqs * max_model_len // check_block_size(block_size))
+    kv = PagedKVCache.from_model(model, num_blocks, kv_cache_bytes, block_size,
+                                 enable_prefix_caching)
+    return (kv, PagedScheduler(kv, max_num_seqs, max_num_batched_tokens),
+            PagedRunner(model, kv))
+
 # %% auto #0
-__all__ = ['token_ids', 'PagedKVCache', 'PagedRunner', 'PagedScheduler']
+__all__ = ['token_ids', 'PagedKVCache', 'PagedRunner', 'PagedScheduler', 'paged_parts']
