@@ -34,7 +34,7 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, check_block_size(block_size)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.ref_count = [0] * num_blocks
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_blocks = OrderedDict.fromkeys(range(num_blocks))  # in LRU order
         self.hash_of: list[int | None] = [None] * num_blocks   # a full block's name
         self.cached: dict[int, int] = {}         # hash -> block that holds those tokens
         self.tables: dict[str, list[int]] = {}   # request id -> its blocks, in order

@@ -57,8 +57,9 @@ class PagedKVCache(KVCache):
             per_block = cls.block_bytes(c, block_size, w.dtype)
             num_blocks = kv_cache_bytes // per_block
             if num_blocks < 1:
-                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block: one "
-                                 f"block of {block_size} tokens needs {per_block} bytes")
+                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block: "
+                                 f"one block of {block_size} tokens needs {per_block} "
+                                 "bytes")
         return cls(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
                    w.dtype, w.device, enable_prefix_caching)
 
@@ -71,8 +72,9 @@ class PagedKVCache(KVCache):
         """Why a request can never run here (None: it can, when blocks are free)."""
         need = self.blocks.blocks_for(seq.max_tokens)
         if need > self.num_blocks:
-            return (f"request {seq.request_id!r} may need {seq.max_tokens} positions = "
-                    f"{need} blocks of {self.block_size}; the pool has {self.num_blocks}")
+            return (f"request {seq.request_id!r} may need {seq.max_tokens} positions "
+                    f"= {need} blocks of {self.block_size}; the pool has "
+                    f"{self.num_blocks}")
         return None
 
     def usage(self) -> tuple[int, int]:
@@ -133,7 +135,10 @@ class PagedKVCache(KVCache):
                 f"dtype={self.k[0].dtype}, free={self.num_free}, "
                 f"{self.nbytes / 2**20:.2f} MiB)")
 
+# %% auto #0
+__all__ = ['token_ids', 'PagedKVCache', 'PagedRunner', 'PagedScheduler', 'paged_parts']
 
+# %% ../../chapters/06_paged_attention.ipynb #c32-runner
 class PagedRunner(ModelRunner):
     """Chapter 4's runner, for blocks: a prefill computes only the tokens that are not
     cached yet (all of a request's tokens after a preemption), and block tables of
@@ -165,7 +170,7 @@ class PagedRunner(ModelRunner):
                         block_tables=t(tables), max_context=max(lengths))
         return t(ids), meta
 
-
+# %% ../../chapters/06_paged_attention.ipynb #c34-scheduler
 class PagedScheduler(Scheduler):
     """Chapter 4's continuous scheduler on blocks. A request is admitted when its
     blocks are free; before each decode step every running request gets room for its
@@ -203,7 +208,8 @@ class PagedScheduler(Scheduler):
             seq = self.waiting[0]
             todo = seq.num_tokens - self._cached(seq)
             longest_if = max(longest, todo)
-            if admitted and (len(admitted) + 1) * longest_if > self.max_num_batched_tokens:
+            padded = (len(admitted) + 1) * longest_if  # the prefill is padded
+            if admitted and padded > self.max_num_batched_tokens:
                 break
             if not self.kv.can_allocate(seq):
                 break
@@ -225,7 +231,7 @@ class PagedScheduler(Scheduler):
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-
+# %% ../../chapters/06_paged_attention.ipynb #c36-parts
 def paged_parts(model, max_num_seqs: int, max_num_batched_tokens: int,
                 max_model_len: int, policy: str = "continuous",
                 num_blocks: int | None = None, kv_cache_bytes: int | None = None,
@@ -241,6 +247,3 @@ def paged_parts(model, max_num_seqs: int, max_num_batched_tokens: int,
                                  enable_prefix_caching)
     return (kv, PagedScheduler(kv, max_num_seqs, max_num_batched_tokens),
             PagedRunner(model, kv))
-
-# %% auto #0
-__all__ = ['token_ids', 'PagedKVCache', 'PagedRunner', 'PagedScheduler', 'paged_parts']
