@@ -138,7 +138,7 @@ class PagedKVCache(KVCache):
 # %% auto #0
 __all__ = ['token_ids', 'PagedKVCache', 'PagedRunner', 'PagedScheduler', 'paged_parts']
 
-# %% ../../chapters/06_paged_attention.ipynb #c32-runner
+# %% ../../chapters/06_paged_attention.ipynb #c33-runner
 class PagedRunner(ModelRunner):
     """Chapter 4's runner, for blocks: a prefill computes only the tokens that are not
     cached yet (all of a request's tokens after a preemption), and block tables of
@@ -170,7 +170,7 @@ class PagedRunner(ModelRunner):
                         block_tables=t(tables), max_context=max(lengths))
         return t(ids), meta
 
-# %% ../../chapters/06_paged_attention.ipynb #c34-scheduler
+# %% ../../chapters/06_paged_attention.ipynb #c35-scheduler
 class PagedScheduler(Scheduler):
     """Chapter 4's continuous scheduler on blocks. A request is admitted when its
     blocks are free; before each decode step every running request gets room for its
@@ -231,7 +231,7 @@ class PagedScheduler(Scheduler):
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-# %% ../../chapters/06_paged_attention.ipynb #c36-parts
+# %% ../../chapters/06_paged_attention.ipynb #c37-parts
 def paged_parts(model, max_num_seqs: int, max_num_batched_tokens: int,
                 max_model_len: int, policy: str = "continuous",
                 num_blocks: int | None = None, kv_cache_bytes: int | None = None,
