@@ -182,6 +182,7 @@ class PagedScheduler(Scheduler):
                  max_num_batched_tokens: int):
         super().__init__(kv, max_num_seqs, max_num_batched_tokens, "continuous")
         self.num_preemptions = 0
+        self.num_recomputed = 0  # tokens whose K/V preemption threw away
 
     def schedule(self) -> Batch | None:
         admitted = self._admit()
@@ -191,7 +192,7 @@ class PagedScheduler(Scheduler):
             if seq not in self.running:
                 continue  # preempted for an older request just now
             while not self.kv.can_append(seq):
-                victim = self.running[-1]  # the newest request gives way
+                victim = self.victim()
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -224,7 +225,12 @@ class PagedScheduler(Scheduler):
     def _cached(self, seq: Sequence) -> int:
         return len(self.kv.blocks.cached_prefix(token_ids(seq))) * self.kv.block_size
 
+    def victim(self) -> Sequence:
+        """Who gives way when the pool is empty: the newest running request."""
+        return self.running[-1]
+
     def preempt(self, seq: Sequence) -> None:
+        self.num_recomputed += seq.num_tokens - 1  # all but the newest token had K/V
         self.running.remove(seq)
         self.kv.free(seq)
         seq.status = WAITING
