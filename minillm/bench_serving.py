@@ -236,7 +236,7 @@ def run_engine(model, requests: list[Request], policy: str, max_num_seqs: int,
     come are added (with that arrival time); with nothing to do it waits."""
     longest = max(len(r.prompt_ids) + r.output_len for r in requests)
     engine = LLMEngine(model, None, max_num_seqs, max_num_batched_tokens,
-                       max_model_len=longest, policy=policy)
+                       max_model_len=longest, policy=policy, kv_cache="slots")
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     finished = []
     t0 = time.perf_counter()

@@ -147,7 +147,8 @@ def test_bad_pool_sizes_are_refused(model, kwargs):
         PagedKVCache.from_model(model, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{"kv_cache": "pages"}, {"num_blocks": 8},
+@pytest.mark.parametrize("kwargs", [{"kv_cache": "pages"},
+                                    {"kv_cache": "slots", "num_blocks": 8},
                                     {"kv_cache": "paged", "policy": "static"},
                                     {"kv_cache": "paged", "block_size": 12},
                                     {"kv_cache": "paged", "blocks": 8}])
@@ -159,3 +160,9 @@ def test_bad_engine_options_are_refused(model, kwargs):
 def test_default_pool_matches_the_slots_memory(model):
     engine = LLMEngine(model, None, max_num_seqs=4, max_model_len=64, kv_cache="paged")
     assert engine.kv.num_blocks * engine.kv.block_size == 4 * 64
+
+
+def test_paged_is_the_default_for_continuous_batching(model):
+    assert isinstance(LLMEngine(model, None, max_num_seqs=2).kv, PagedKVCache)
+    static = LLMEngine(model, None, max_num_seqs=2, policy="static")
+    assert not isinstance(static.kv, PagedKVCache)  # static batching keeps its slots

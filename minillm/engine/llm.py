@@ -53,7 +53,7 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, policy: str = "continuous",
-                 kv_cache: str = "slots", **paged):
+                 kv_cache: str | None = None, **paged):
         context = model.config.context_length
         max_model_len = context if max_model_len is None else max_model_len
         max_num_batched_tokens = (max(2048, max_model_len)
@@ -69,6 +69,8 @@ class LLMEngine:
                              f"model's context of {context} positions")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_model_len = max_model_len
+        if kv_cache is None:  # Chapter 6's blocks serve continuous batching best
+            kv_cache = "paged" if policy == "continuous" else "slots"
         if kv_cache == "paged":  # Chapter 6: blocks (num_blocks or kv_cache_bytes, ...)
             from minillm.engine.paged import paged_parts
             self.kv, self.scheduler, self.runner = paged_parts(
@@ -223,7 +225,7 @@ class LLM:
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, dtype=None, device=None,
-                 policy: str = "continuous", kv_cache: str = "slots", **paged):
+                 policy: str = "continuous", kv_cache: str | None = None, **paged):
         if not isinstance(model, torch.nn.Module):  # a folder or a Hub name
             from minillm.model import load_model
             from minillm.tokenizer import Tokenizer
