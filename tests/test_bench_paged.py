@@ -104,6 +104,18 @@ def test_a_tight_pool_preempts_and_still_gives_the_same_tokens(folder):
     assert run.row("paged")["same_tokens"] is True
 
 
+def test_online_requests_start_only_after_they_arrive(folder, tmp_path):
+    run = bp.run_paged_benchmark(folder, **{**SMALL, "rate": 50.0, "shared_prefix": 8,
+                                            "methods": ("paged", "slots")})
+    assert run.info["arrivals"] == "Poisson 50 req/s" and run.info["rate"] == 50.0
+    assert run.info["same_tokens_reference"] == "paged"
+    assert all(r["same_tokens"] is True for r in run.rows)
+    for r in run.rows:  # from each request's arrival, not from time 0
+        assert 0 < r["ttft_p50_s"] <= r["e2e_p50_s"] < r["wall_s"]
+    (path,) = bp.write_paged_csv(run, tmp_path)
+    assert path.name == "paged_tiny-model_cpu_prefix8_rate50.csv"
+
+
 def test_table_and_csv_files(result, prefixed, tmp_path):
     table = bp.format_paged_table(result)
     assert all(name in table for name in NAMES) and "TTFT p50/p99" in table
@@ -142,6 +154,8 @@ def no_load(monkeypatch):
     (dict(max_model_len=0), "max_model_len=0"),
     (dict(shared_prefix=-1), "shared_prefix=-1"),
     (dict(seed=-1), "seed=-1"),
+    (dict(rate=0), "rate=0"),
+    (dict(rate=float("inf")), "rate=inf"),
     (dict(max_num_seqs=0), "max_num_seqs=0"),
     (dict(block_size=12), "block_size=12: give a positive power of two"),
     (dict(methods=("pages",)), "methods=.*paged \\+ prefix cache"),
@@ -184,6 +198,7 @@ def no_run(monkeypatch):
     (["--requests", "0"], "num_requests=0"),
     (["--kv-positions", "many"], "invalid int value: 'many'"),
     (["--block-size", "3"], "block_size=3"),
+    (["--rate", "-2"], "rate=-2.0"),
     (["--methods", "vllm"], "invalid choice: 'vllm'"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     ([*SMALL_CLI, "--shared-prefix", "60"], "do not fit max_model_len=64"),
@@ -222,7 +237,8 @@ def test_no_csv_writes_nothing(folder, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["paged_bundled_cpu.csv",
-                                  "paged_bundled_cpu_prefix256.csv"])
+                                  "paged_bundled_cpu_prefix256.csv",
+                                  "paged_bundled_cpu_prefix256_rate2.csv"])
 def test_recorded_reference_data_is_complete(name):
     """The chapter reads these files: every engine, one budget, the same tokens."""
     rows = list(csv.DictReader((repo_root() / "data" / "benchmarks" / name).open()))
@@ -238,3 +254,5 @@ def test_recorded_reference_data_is_complete(name):
     assert int(paged["prefix_hit_blocks"]) == 0  # prefix caching off
     if int(rows[0]["shared_prefix"]) >= 256:  # 16 blocks of 16 for each later request
         assert int(cached["prefix_hit_blocks"]) >= 16 * 16
+    online = rows[0]["rate"] != ""
+    assert rows[0]["arrivals"] == ("Poisson 2 req/s" if online else "offline")
