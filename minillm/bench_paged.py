@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,15 +22,15 @@ from .bench import (MODELS, add_run_arguments, check_run_arguments, greedy,
                            hardware_name, model_folder, random_prompt, report,
                            torch_threads)
 from .bench_quant import write_rows_csv
-from .bench_serving import (Request, check_range, make_workload, percentile,
-                                   shakespeare_missing)
+from .bench_serving import (Request, check_range, make_workload, next_batch,
+                                   percentile, shakespeare_missing)
 from .engine import LLMEngine
 from .engine.blocks import check_block_size
 from .model import ModelConfig, load_model
 from .utils import pick_device
 
 # %% auto #0
-__all__ = ['PAGED_METHODS', 'method_key', 'paged_workload', 'make_engine', 'serve_offline', 'PagedBenchmark', 'used_share',
+__all__ = ['PAGED_METHODS', 'method_key', 'paged_workload', 'make_engine', 'serve', 'PagedBenchmark', 'used_share',
            'summarise_engine', 'check_paged_args', 'run_paged_benchmark', 'paged_info', 'format_paged_table',
            'paged_csv_stem', 'write_paged_csv', 'paged_parser', 'check_cli_args', 'main']
 
@@ -48,10 +50,11 @@ def method_key(method: str) -> str | None:
 
 def paged_workload(config: ModelConfig, num_requests: int,
                    prompt_tokens: tuple[int, int], output_tokens: tuple[int, int],
-                   shared_prefix: int, seed: int, model_path=None) -> list[Request]:
-    """make_workload's requests (offline), each prompt starting with the same
-    `shared_prefix` seeded random tokens (after BOS, if the prompt has one)."""
-    requests = make_workload(config, num_requests, prompt_tokens, output_tokens, None,
+                   shared_prefix: int, seed: int, model_path=None,
+                   rate: float | None = None) -> list[Request]:
+    """make_workload's requests, each prompt starting with the same `shared_prefix`
+    seeded random tokens (after BOS, if the prompt has one)."""
+    requests = make_workload(config, num_requests, prompt_tokens, output_tokens, rate,
                              seed, model_path)
     if shared_prefix:
         prefix = random_prompt(config.vocab_size, shared_prefix, seed)
@@ -74,15 +77,18 @@ def make_engine(model, key: str, kv_positions: int, max_model_len: int,
                      enable_prefix_caching=key == "paged-prefix")
 
 
-def serve_offline(engine: LLMEngine, requests: list[Request], bar=None
-                  ) -> tuple[float, list]:
-    """Add every request at once, step until all finish. Returns (seconds, the
-    finished sequences in request order)."""
+def serve(engine: LLMEngine, requests: list[Request], bar=None
+          ) -> tuple[float, list]:
+    """Add each request when its arrival time has come (offline: all at once), step
+    until all finish. Returns (seconds, the finished sequences in request order)."""
+    pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     t0 = time.perf_counter()
-    for r in requests:
-        engine.add_request(r.prompt_ids, greedy(r.output_len), str(r.index),
-                           arrival_time=t0)
-    while engine.has_unfinished():
+    while pending or engine.has_unfinished():
+        idle = not engine.has_unfinished()
+        if pending and (idle or t0 + pending[0].arrival_s <= time.perf_counter()):
+            for r in next_batch(pending, t0, len(pending)):  # waits only when idle
+                engine.add_request(r.prompt_ids, greedy(r.output_len), str(r.index),
+                                   arrival_time=t0 + r.arrival_s)
         for out in engine.step():
             if out.finished and bar is not None:
                 bar.update(1)
@@ -114,7 +120,8 @@ class PagedBenchmark:
         i = self.info
         prefix = (f" + a shared {i['shared_prefix']}-token prefix"
                   if i["shared_prefix"] else "")
-        work = (f"{i['num_requests']} requests, prompts {i['prompt_tokens']}"
+        work = (f"{i['num_requests']} requests ({i['arrivals']}), prompts "
+                f"{i['prompt_tokens']}"
                 f"{prefix}, outputs {i['output_tokens']} tokens "
                 f"({i['mean_tokens']:.0f} on average), {i['kv_positions']} KV "
                 f"positions")
@@ -157,7 +164,8 @@ def summarise_engine(name: str, engine: LLMEngine, wall: float, seqs: list,
 
 def check_paged_args(model_path, num_requests, kv_positions, max_model_len,
                      block_size, methods, prompt_tokens, output_tokens, shared_prefix,
-                     seed, max_num_seqs) -> tuple[ModelConfig, tuple[str, ...]]:
+                     seed, max_num_seqs, rate=None
+                     ) -> tuple[ModelConfig, tuple[str, ...]]:
     """Every argument, checked before any work. Returns (model config, method keys)."""
     def is_int(value, low):
         return not isinstance(value, bool) and isinstance(value, int) and value >= low
@@ -170,6 +178,11 @@ def check_paged_args(model_path, num_requests, kv_positions, max_model_len,
     if max_num_seqs is not None and not is_int(max_num_seqs, 1):
         raise ValueError(f"max_num_seqs={max_num_seqs!r}: must be None (as many as "
                          "num_requests) or an int >= 1")
+    if rate is not None and (isinstance(rate, bool)
+                             or not isinstance(rate, (int, float))
+                             or not math.isfinite(rate) or rate <= 0):
+        raise ValueError(f"rate={rate!r}: must be None (offline: all requests at "
+                         "time 0) or a number of requests per second > 0")
     check_block_size(block_size)
     names = (methods,) if isinstance(methods, str) else tuple(methods or ())
     keys = tuple(method_key(m) for m in names)
@@ -206,20 +219,21 @@ def run_paged_benchmark(model_path, num_requests: int = 48, kv_positions: int = 
                         output_tokens: tuple[int, int] = (64, 256),
                         shared_prefix: int = 0, seed: int = 0,
                         device: str | torch.device | None = None,
-                        max_num_seqs: int | None = None,
+                        max_num_seqs: int | None = None, rate: float | None = None,
                         progress: bool = True) -> PagedBenchmark:
-    """Serve one offline workload with each engine on the same KV memory; see the
-    appendix of Chapter 6. methods: names or keys of PAGED_METHODS. max_num_seqs:
-    the paged engines' cap on running requests (None: num_requests)."""
+    """Serve one workload with each engine on the same KV memory; see the appendix
+    of Chapter 6. methods: names or keys of PAGED_METHODS. max_num_seqs: the paged
+    engines' cap on running requests (None: num_requests). rate: None (offline) or
+    requests per second (Poisson arrivals)."""
     config, keys = check_paged_args(
         model_path, num_requests, kv_positions, max_model_len, block_size, methods,
-        prompt_tokens, output_tokens, shared_prefix, seed, max_num_seqs)
+        prompt_tokens, output_tokens, shared_prefix, seed, max_num_seqs, rate)
     device = pick_device(device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     source = "random" if shakespeare_missing(model_path) else "shakespeare"
     requests = paged_workload(config, num_requests, prompt_tokens, output_tokens,
                               shared_prefix, seed,
-                              model_path if source == "shakespeare" else None)
+                              model_path if source == "shakespeare" else None, rate)
     cap = max_num_seqs or num_requests
     model = load_model(model_path, dtype=dtype, device=device)
     warm = [Request(i, r.prompt_ids, min(r.output_len, 4), 0.0)
@@ -229,11 +243,11 @@ def run_paged_benchmark(model_path, num_requests: int = 48, kv_positions: int = 
         for key in keys:
             name = PAGED_METHODS[key]
             args = (model, key, kv_positions, max_model_len, block_size, cap)
-            serve_offline(make_engine(*args), warm)  # lazy initialisation, caches
+            serve(make_engine(*args), warm)  # lazy initialisation, caches
             engine = make_engine(*args)
             with tqdm(total=num_requests, desc=name, unit="req",
                       disable=not progress) as bar:
-                wall, seqs = serve_offline(engine, requests, bar)
+                wall, seqs = serve(engine, requests, bar)
             rows.append(summarise_engine(name, engine, wall, seqs, reference))
             if reference is None:
                 reference = [s.output_ids for s in seqs]
@@ -242,13 +256,13 @@ def run_paged_benchmark(model_path, num_requests: int = 48, kv_positions: int = 
         r["speedup_vs_first"] = r["output_tok_s"] / rows[0]["output_tok_s"]
     info = paged_info(model, model_path, device, dtype, requests, source, seed,
                       prompt_tokens, output_tokens, shared_prefix, kv_positions,
-                      max_model_len, block_size, PAGED_METHODS[keys[0]])
+                      max_model_len, block_size, PAGED_METHODS[keys[0]], rate)
     return PagedBenchmark(rows, info)
 
 
 def paged_info(model, model_path, device, dtype, requests, source, seed,
                prompt_tokens, output_tokens, shared_prefix, kv_positions,
-               max_model_len, block_size, reference_method) -> dict:
+               max_model_len, block_size, reference_method, rate=None) -> dict:
     """The facts a result file needs to explain itself."""
     params = {id(p): p.numel() for p in model.parameters()}  # tied weights once
     tokens = [len(r.prompt_ids) + r.output_len for r in requests]
@@ -257,7 +271,8 @@ def paged_info(model, model_path, device, dtype, requests, source, seed,
             "minillm": minillm.__version__, "python": sys.version.split()[0],
             "dtype": str(dtype).replace("torch.", ""),
             "params_M": round(sum(params.values()) / 1e6, 1),
-            "num_requests": len(requests), "arrivals": "offline", "seed": seed,
+            "num_requests": len(requests), "seed": seed, "rate": rate,
+            "arrivals": "offline" if rate is None else f"Poisson {rate:g} req/s",
             "prompts": source,
             "prompt_tokens": f"{prompt_tokens[0]}-{prompt_tokens[1]}",
             "output_tokens": f"{output_tokens[0]}-{output_tokens[1]}",
@@ -289,10 +304,11 @@ def format_paged_table(result: PagedBenchmark) -> str:
 
 
 def paged_csv_stem(result: PagedBenchmark) -> str:
-    """paged_<model>_<device>[_prefix<N>]."""
+    """paged_<model>_<device>[_prefix<N>][_rate<R>]."""
     model = re.sub(r"[^a-z0-9._-]+", "-", result.info["model"].lower()).strip("-.")
-    prefix = result.info["shared_prefix"]
-    tail = f"_prefix{prefix}" if prefix else ""
+    prefix, rate = result.info["shared_prefix"], result.info["rate"]
+    tail = (f"_prefix{prefix}" if prefix else "") + (
+        f"_rate{rate:g}" if rate is not None else "")
     return f"paged_{model or 'model'}_{result.info['device']}{tail}"
 
 
@@ -326,6 +342,9 @@ def paged_parser() -> argparse.ArgumentParser:
                         metavar=("LOW", "HIGH"), help="prompt lengths (default 32 160)")
     parser.add_argument("--output-tokens", type=int, nargs=2, default=[64, 256],
                         metavar=("LOW", "HIGH"), help="output lengths (default 64 256)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="Poisson arrivals, requests per second (default: offline, "
+                             "all requests at time 0)")
     parser.add_argument("--seed", type=int, default=0, help="at least 0")
     add_run_arguments(parser)
     return parser
@@ -338,7 +357,7 @@ def check_cli_args(args: argparse.Namespace) -> tuple[Path, torch.device]:
     check_paged_args(folder, args.requests, args.kv_positions, args.max_model_len,
                      args.block_size, tuple(args.methods), tuple(args.prompt_tokens),
                      tuple(args.output_tokens), args.shared_prefix, args.seed,
-                     args.max_num_seqs)
+                     args.max_num_seqs, args.rate)
     return folder, device
 
 
@@ -354,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             folder, args.requests, args.kv_positions, args.max_model_len,
             args.block_size, tuple(args.methods), tuple(args.prompt_tokens),
             tuple(args.output_tokens), args.shared_prefix, args.seed, device,
-            args.max_num_seqs)
+            args.max_num_seqs, args.rate)
     result.info["model"] = args.model if args.model in MODELS else folder.resolve().name
     return report(format_paged_table(result),
                   lambda out: write_paged_csv(result, out), args)

@@ -183,6 +183,7 @@ class PagedScheduler(Scheduler):
         super().__init__(kv, max_num_seqs, max_num_batched_tokens, "continuous")
         self.num_preemptions = 0
         self.num_recomputed = 0  # tokens whose K/V preemption threw away
+        self.preempted: list[str] = []  # the request id of every preemption
 
     def schedule(self) -> Batch | None:
         admitted = self._admit()
@@ -231,6 +232,7 @@ class PagedScheduler(Scheduler):
 
     def preempt(self, seq: Sequence) -> None:
         self.num_recomputed += seq.num_tokens - 1  # all but the newest token had K/V
+        self.preempted.append(seq.request_id)
         self.running.remove(seq)
         self.kv.free(seq)
         seq.status = WAITING
