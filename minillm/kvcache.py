@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .model import StepMeta
 from .sampling import SamplingParams, make_generator, sample
-from .sequence import Sequence
+from .sequence import Sequence, block_early_stop
 
 # %% auto #0
 __all__ = ['watch_input_lengths', 'free_memory_bytes', 'causal_mask', 'cached_attention', 'KVCache', 'check_cache',
@@ -303,7 +303,8 @@ def _decode_loop(model, seq: Sequence, cache: KVCache, me: object) -> Iterator[i
     logits = model(tokens[:, :n], meta.positions, kv=cache, meta=meta)
     while True:
         history = tokens[:, :n] if penalize else None
-        token = sample(logits[:, -1], params, generator, prev_ids=history)  # [1]
+        last = block_early_stop(logits[:, -1], [seq])  # min_new_tokens
+        token = sample(last, params, generator, prev_ids=history)  # [1]
         tokens[0, n] = token[0]
         n += 1
         seq.append(int(token))  # the one sync per step: we must see the id to stop

@@ -7,7 +7,8 @@ import torch
 
 from .model import StepMeta
 from .sampling import SamplingParams, make_generator, sample
-from .sequence import Sequence, check_prompt, stop_ids  # noqa: F401
+from .sequence import (Sequence, block_early_stop, check_prompt,  # noqa: F401
+                              stop_ids)
 
 
 def naive_generate(model, prompt_ids, params: SamplingParams | None = None,
@@ -30,6 +31,7 @@ def naive_generate(model, prompt_ids, params: SamplingParams | None = None,
             n = tokens.shape[1]  # the whole sequence goes through the model, again
             meta = StepMeta(positions[:, :n], logits_index=positions[0, n - 1:n])
             logits = model(tokens, meta.positions, meta=meta)[:, -1]
+            logits = block_early_stop(logits, [seq])  # min_new_tokens
             history = tokens if penalize else None
             next_id = sample(logits, params, generator, prev_ids=history)
             tokens = torch.cat([tokens, next_id[:, None]], dim=1)

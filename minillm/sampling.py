@@ -49,6 +49,7 @@ class SamplingParams:
     min_p: float = 0.0              # drop tokens below min_p * the best one; 0 = off
     repetition_penalty: float = 1.0 # > 1: tokens seen before get less likely; 1 = off
     max_new_tokens: int = 64
+    min_new_tokens: int = 0         # no EOS or stop before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # stop after one of these ids
     stop: tuple[str, ...] = ()      # stop once the new text contains one of these
     ignore_eos: bool = False
@@ -77,6 +78,10 @@ class SamplingParams:
             bad("repetition_penalty", f"in [{MIN_PENALTY}, {MAX_PENALTY}] (1 = off)")
         if not _int(self.max_new_tokens) or self.max_new_tokens < 1:
             bad("max_new_tokens", "an int >= 1")
+        m = self.min_new_tokens
+        if not _int(m) or not 0 <= m <= self.max_new_tokens:
+            bad("min_new_tokens",
+                f"an int in [0, max_new_tokens={self.max_new_tokens}]")
         stop = _as_tuple(self.stop, "stop")
         if not all(isinstance(s, str) and s for s in stop):
             bad("stop", "a list of non-empty strings")
@@ -91,6 +96,7 @@ class SamplingParams:
             put(name, float(getattr(self, name)))  # numpy numbers become plain floats
         put("top_k", int(self.top_k))
         put("max_new_tokens", int(self.max_new_tokens))
+        put("min_new_tokens", int(self.min_new_tokens))
         put("seed", None if self.seed is None else int(self.seed))
         put("stop", stop)
         put("stop_token_ids", tuple(int(t) for t in ids))

@@ -76,7 +76,8 @@ def stop_ids(model, params: SamplingParams) -> set[int]:
     return eos | set(params.stop_token_ids)
 
 # %% auto #0
-__all__ = ['WAITING', 'RUNNING', 'FINISHED', 'check_prompt', 'stop_ids', 'WindowDecoder', 'text_decoder', 'Sequence']
+__all__ = ['WAITING', 'RUNNING', 'FINISHED', 'check_prompt', 'stop_ids', 'WindowDecoder', 'text_decoder', 'Sequence',
+           'block_early_stop']
 
 # %% ../chapters/02_naive_loop.ipynb #c049t
 class WindowDecoder:
@@ -155,11 +156,16 @@ class Sequence:
             self.first_token_time = now
         delta = self.decoder.push(token_id) if self.decoder is not None else ""
         self.text += delta
-        if token_id in self.stop_ids or self._stop_string_in(delta):
+        if self._may_stop() and (token_id in self.stop_ids
+                                 or self._stop_string_in(delta)):
             delta += self.finish("stop", now)
         elif len(self.output_ids) == self.params.max_new_tokens:
             delta += self.finish("length", now)
         return delta
+
+    def _may_stop(self) -> bool:
+        """min_new_tokens: the first min_new_tokens new tokens never stop a request."""
+        return len(self.output_ids) > self.params.min_new_tokens
 
     def _stop_string_in(self, delta: str) -> bool:
         """Only the end of the text can hold a stop string that `delta` completed."""
@@ -199,3 +205,17 @@ class Sequence:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+def block_early_stop(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """min_new_tokens: a row whose request has fewer new tokens than its
+    params.min_new_tokens cannot pick a stop id (EOS or stop_token_ids): those logits
+    become -inf, as transformers' min_new_tokens does. logits [B, V], one Sequence per
+    row. Without min_new_tokens it returns `logits` itself (nothing copied)."""
+    rows = [(i, sorted(s.stop_ids)) for i, s in enumerate(seqs)
+            if s.stop_ids and len(s.output_ids) < s.params.min_new_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i, ids in rows:
+        logits[i, ids] = float("-inf")
+    return logits

@@ -7,7 +7,7 @@ import torch
 
 from ..model import StepMeta
 from ..sampling import make_generator, sample
-from ..sequence import Sequence
+from ..sequence import Sequence, block_early_stop
 
 
 class ModelRunner:
@@ -68,6 +68,7 @@ class ModelRunner:
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
         input_ids, meta = prepare(seqs)
         logits = self.model(input_ids, meta.positions, kv=self.kv, meta=meta)[:, -1]
+        logits = block_early_stop(logits, seqs)  # min_new_tokens
         params = [s.params for s in seqs]
         generators = [self.generators.get(s.request_id) for s in seqs]
         history = None
