@@ -1,6 +1,7 @@
 """A pytest plugin: keep the notebooks that nbval executed, with their outputs.
 
-    python -m pytest --nbval-lax -p tools.nbval_executed --nbval-executed-dir=_build/executed chapters
+    python -m pytest --nbval-lax --nbval-current-env chapters \
+        -p tools.nbval_executed --nbval-executed-dir=_build/executed
 
 For every notebook whose code cells all passed, writes a copy with the outputs of this run to
 <dir>/<path relative to pytest's rootdir> (chapters/03_kv_cache.ipynb ->
@@ -134,8 +135,16 @@ class Recorder:
             yield
             return
         nbfile = item.parent
+        executed = self.notebooks.get(nbfile.nodeid)
         kernel = nbfile.kernel
-        if "execute_cell_input" not in vars(kernel):
+        if "execute_cell_input" not in vars(kernel):  # the notebook's first cell
+            if executed is not None:
+                # as nbclient does: the kernel's language_info (pygments_lexer: ipython3)
+                # chooses the website's syntax highlighting of the code cells
+                info = kernel.kc.kernel_info(reply=True, timeout=60)["content"]
+                if "language_info" in info:
+                    executed.nb.metadata.language_info = info["language_info"]
+
             # nbval executes with store_history=False, Jupyter with True; IPython then looks
             # for a trailing `;` (no output) in an older cell and shows e.g. `[<Line2D ...>]`
             def execute_as_jupyter(cell_input, allow_stdin=None):
@@ -155,7 +164,6 @@ class Recorder:
             nbfile.get_kernel_message = recording
         nbfile._executed_messages = messages
         outcome = yield
-        executed = self.notebooks.get(nbfile.nodeid)
         if executed is None:
             return
         index = next(i for i, c in enumerate(nbfile.nb.cells) if c is item.cell)

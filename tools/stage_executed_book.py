@@ -8,7 +8,9 @@ such a copy and that the copy's cells have the same sources as the chapter now (
 website would show outputs of other code: it stops with an error), then writes a source tree
 for Jupyter Book to --out:
 
-- chapters/*.ipynb: the source notebooks with the outputs (and widget state) of the copies;
+- chapters/*.ipynb: the source notebooks with the outputs of the copies (and what executing
+  adds to a notebook's metadata: language_info, which picks the code highlighting, and the
+  widget state);
 - _config.yml: the book's, with execute_notebooks "off" (the outputs are there already);
 - everything else at the top of the repository (_toc.yml, book/, data/, ...; not .venv or
   _build): symbolic links into it, so that relative links such as
@@ -55,7 +57,7 @@ def merge(source_path: Path, executed_path: Path, name: str):
         else:
             i = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
             cell_id = source.cells[i].get("id", "?")
-            where = f"cell {i} (id {cell_id}) differs from the executed one"
+            where = f"cell {i}, id {cell_id}, differs from the executed one"
         raise StaleOutputs(f"{name} changed after nbval executed it ({where}): {rerun}")
     merged = copy.deepcopy(source)
     for cell, done in zip(merged.cells, executed.cells):
@@ -65,8 +67,9 @@ def merge(source_path: Path, executed_path: Path, name: str):
             raise StaleOutputs(f"{name}: a cell of the executed copy did not run: {rerun}")
         cell.outputs = done.outputs
         cell.execution_count = done.execution_count
-    if "widgets" in executed.metadata:
-        merged.metadata.widgets = executed.metadata.widgets
+    for key in ("language_info", "widgets"):  # what executing adds to the metadata
+        if key in executed.metadata:
+            merged.metadata[key] = executed.metadata[key]
     return merged
 
 
