@@ -16,7 +16,7 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 BOOK_ENV := TQDM_DISABLE=1
 JB      := $(BOOK_ENV) $(VENV)/bin/jupyter-book
 
-.PHONY: help install export clean-notebooks test unit nbval site browser colab book \
+.PHONY: help install export clean-notebooks test unit nbval site site-from-nbval browser colab book \
 	book-strict lab figures model bench clean setup-cells
 
 help:  ## list the targets
@@ -49,20 +49,33 @@ clean-notebooks: $(STAMP)  ## strip outputs and execution counts from chapters/*
 unit: $(STAMP)  ## pytest: unit tests, package-in-sync, lint and repository checks
 	$(PY) -m pytest -q tests
 
-nbval: $(STAMP)  ## run every chapter notebook top to bottom (nbval, lax)
-	$(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=$(NBVAL_TIMEOUT) -p no:randomly chapters
+# `make nbval` keeps each chapter it executed, with its outputs, in $(EXECUTED) (tools/nbval_executed.py);
+# `make site-from-nbval` builds the website from those outputs: `make test` runs every chapter once.
+# nbval runs in the website's environment ($(BOOK_ENV)), so the outputs are the ones `make site` shows.
+EXECUTED := _build/executed
+STAGED  := _build/staged
+
+nbval: $(STAMP)  ## run every chapter notebook top to bottom (nbval, lax); keeps the outputs in _build/executed
+	$(BOOK_ENV) $(PY) -m pytest -q --nbval-lax --nbval-current-env --nbval-cell-timeout=$(NBVAL_TIMEOUT) -p no:randomly \
+	    -p tools.nbval_executed --nbval-executed-dir=$(EXECUTED) chapters
 
 site: $(STAMP)  ## strict website build (-W -n) with every chapter executed, into _build/html
 	$(JB) build . --all -W -n --keep-going -q
 	@ls _build/html/_images/*.png >/dev/null 2>&1 || { echo "no figures in the book: is MPLBACKEND set to a non-inline backend?"; exit 1; }
 
-browser: $(STAMP)  ## open every page of the built site (make site) in headless Chromium
+site-from-nbval: $(STAMP)  ## strict website build (-W -n) from the outputs of `make nbval` (executes nothing), into _build/html
+	$(PY) tools/stage_executed_book.py --executed $(EXECUTED) --out $(STAGED)
+	$(JB) build $(STAGED) --path-output . --all -W -n --keep-going -q
+	cp chapters/*.ipynb _build/html/_sources/chapters/  # the download button: the clean notebooks, as in `make site`
+	@ls _build/html/_images/*.png >/dev/null 2>&1 || { echo "no figures in the book: did nbval run with MPLBACKEND set to a non-inline backend?"; exit 1; }
+
+browser: $(STAMP)  ## open every page of the built site (make site or site-from-nbval) in headless Chromium
 	$(PY) -m pytest -q -m browser -p no:randomly tests/browser
 
 colab: $(STAMP)  ## the Colab path: fresh venv with torch only, the setup cell's install, chapter 0
 	$(PY) -m pytest -q -m colab -p no:randomly tests/test_colab.py
 
-test: unit nbval site browser colab  ## the whole suite (what CI runs)
+test: unit nbval site-from-nbval browser colab  ## the whole suite (what CI runs); executes each chapter once
 	@echo "make test: all green"
 
 book: export  ## build the website with every chapter executed
