@@ -65,7 +65,7 @@ def test_stage_refuses_an_executed_copy_of_other_sources(book):
     root, done, out = book
     write_executed(done, executed(notebook("x = 1", "print(x + 1)")))
     with pytest.raises(stage.StaleOutputs,
-                       match=r"01_a.ipynb changed after nbval executed it \(cell 2 "):
+                       match=r"01_a.ipynb changed after nbval executed it \(cell 2, id "):
         stage.stage(root, done, out)
     write_executed(done, executed(notebook("x = 1")))
     with pytest.raises(stage.StaleOutputs, match="2 cells were executed, the notebook has 3"):
