@@ -68,6 +68,10 @@ class ModelRunner:
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
         input_ids, meta = prepare(seqs)
         logits = self.model(input_ids, meta.positions, kv=self.kv, meta=meta)[:, -1]
+        return self.sample(seqs, logits)
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """One token per row of logits [B, vocab], with each request's params."""
         logits = block_early_stop(logits, seqs)  # min_new_tokens
         params = [s.params for s in seqs]
         generators = [self.generators.get(s.request_id) for s in seqs]

@@ -1,0 +1,84 @@
+"""minillm.engine.graphs: the graph runner gives the tokens of the eager engine. On a
+CPU it runs its static, padded buffers eagerly; the capture tests need a CUDA GPU."""
+import random
+
+import pytest
+import torch
+
+from minillm.engine import LLMEngine
+from minillm.engine.graphs import GraphRunner, default_buckets, enable_cuda_graphs
+from minillm.sampling import SamplingParams
+
+torch.set_num_threads(1)
+
+
+def test_default_buckets():
+    assert default_buckets(1) == [1]
+    assert default_buckets(8) == [1, 2, 4, 8]
+    assert default_buckets(12) == [1, 2, 4, 8, 12]
+    for bad in (0, -3, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            default_buckets(bad)
+
+
+def requests(seed: int, n: int = 10):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = [1] + [rng.randrange(3, 100) for _ in range(rng.randrange(0, 20))]
+        params = SamplingParams(temperature=0, max_new_tokens=rng.randrange(1, 16),
+                                ignore_eos=rng.random() < 0.5)
+        out.append((rng.randrange(0, 6), prompt, params))
+    return out
+
+
+def serve(model, kv_cache: str, graphs: bool, arrivals, capture=False, **kw) -> dict:
+    engine = LLMEngine(model, max_num_seqs=5, kv_cache=kv_cache, **kw)
+    runner = enable_cuda_graphs(engine, capture=capture) if graphs else None
+    ids, step, pending = {}, 0, sorted(arrivals, key=lambda a: a[0])
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, prompt, params = pending.pop(0)
+            ids[engine.add_request(prompt, params)] = len(ids)
+        if engine.has_unfinished():
+            engine.step()
+        step += 1
+    if runner is not None:
+        assert runner.static and set(runner.static) <= {1, 2, 4, 5}  # buckets used
+    return {i: engine.pop(rid).output_ids for rid, i in ids.items()}
+
+
+@pytest.mark.parametrize("kv_cache, kw", [("slots", {}), ("paged", {}),
+                                          ("paged", dict(num_blocks=12)),
+                                          ("paged", dict(enable_prefix_caching=True))])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_static_padded_path_equals_the_eager_engine(llama, kv_cache, kw, seed):
+    _, model = llama
+    arrivals = requests(seed)
+    assert serve(model, kv_cache, True, arrivals, **kw) == \
+        serve(model, kv_cache, False, arrivals, **kw)
+
+
+def test_refusals(llama):
+    _, model = llama
+    engine = LLMEngine(model, max_num_seqs=4)
+    with pytest.raises(ValueError, match="buckets"):
+        GraphRunner(engine.runner, [4, 2], 8)
+    with pytest.raises(ValueError, match="CUDA device"):
+        GraphRunner(engine.runner, [1, 2, 4], 8, capture=True)
+    enable_cuda_graphs(engine, capture=False)
+    with pytest.raises(ValueError, match="already"):
+        enable_cuda_graphs(engine)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_graph_replay_equals_eager_on_the_gpu(llama, kv_cache):
+    _, model = llama
+    gpu = model.to("cuda")
+    try:
+        arrivals = requests(3)
+        assert serve(gpu, kv_cache, True, arrivals, capture=None) == \
+            serve(gpu, kv_cache, False, arrivals)
+    finally:
+        model.to("cpu")
