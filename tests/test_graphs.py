@@ -16,8 +16,9 @@ def test_default_buckets():
     assert default_buckets(1) == [1]
     assert default_buckets(8) == [1, 2, 4, 8]
     assert default_buckets(12) == [1, 2, 4, 8, 12]
+    assert default_buckets(512, 16) == [16, 32, 64, 128, 256, 512]
     for bad in (0, -3, 2.0, True, "8"):
-        with pytest.raises(ValueError, match="max_num_seqs"):
+        with pytest.raises(ValueError, match="largest"):
             default_buckets(bad)
 
 
@@ -44,7 +45,8 @@ def serve(model, kv_cache: str, graphs: bool, arrivals, capture=False, **kw) -> 
             engine.step()
         step += 1
     if runner is not None:
-        assert runner.static and set(runner.static) <= {1, 2, 4, 5}  # buckets used
+        assert runner.static and {b for b, _ in runner.static} <= {1, 2, 4, 5}
+        assert len({s for _, s in runner.static}) > 1  # spans grow with the requests
     return {i: engine.pop(rid).output_ids for rid, i in ids.items()}
 
 
@@ -63,9 +65,11 @@ def test_refusals(llama):
     _, model = llama
     engine = LLMEngine(model, max_num_seqs=4)
     with pytest.raises(ValueError, match="buckets"):
-        GraphRunner(engine.runner, [4, 2], 8)
+        GraphRunner(engine.runner, [4, 2], [16])
+    with pytest.raises(ValueError, match="spans"):
+        GraphRunner(engine.runner, [1, 2], [])
     with pytest.raises(ValueError, match="CUDA device"):
-        GraphRunner(engine.runner, [1, 2, 4], 8, capture=True)
+        GraphRunner(engine.runner, [1, 2, 4], [16], capture=True)
     enable_cuda_graphs(engine, capture=False)
     with pytest.raises(ValueError, match="already"):
         enable_cuda_graphs(engine)

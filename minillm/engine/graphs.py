@@ -8,60 +8,68 @@ import torch
 from ..model import StepMeta
 
 
-def default_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 32, ... up to max_num_seqs (and max_num_seqs itself)."""
-    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) \
-            or max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs={max_num_seqs!r}: must be an int >= 1")
-    out, b = [], 1
-    while b < max_num_seqs:
+def default_buckets(largest: int, smallest: int = 1) -> list[int]:
+    """smallest, 2 x smallest, 4 x smallest, ... up to `largest` (and largest itself):
+    batch sizes 1, 2, 4, ... max_num_seqs; attention spans 16, 32, ... max_model_len."""
+    for name, v in [("largest", largest), ("smallest", smallest)]:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be an int >= 1")
+    out, b = [], smallest
+    while b < largest:
         out.append(b)
         b *= 2
-    return out + [max_num_seqs]
+    return out + [largest]
 
 # %% auto #0
 __all__ = ['default_buckets', 'GraphRunner', 'capture_all', 'run', 'enable_cuda_graphs']
 
 # %% ../../chapters/07_performance.ipynb #c12-graphs
 class GraphRunner:
-    """Decode steps through one CUDA graph per batch-size bucket; everything else
-    through the wrapped runner (chapter 4's or chapter 6's)."""
+    """Decode steps through one CUDA graph per (batch size, attention span) bucket;
+    everything else through the wrapped runner (chapter 4's or chapter 6's)."""
 
-    def __init__(self, runner, buckets: list[int], table_width: int,
+    def __init__(self, runner, buckets: list[int], spans: list[int],
                  capture: bool | None = None):
         self.runner, self.kv, self.model = runner, runner.kv, runner.model
         self.device = runner.device
-        if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
-            raise ValueError(f"buckets={buckets!r}: give increasing ints >= 1")
-        self.buckets, self.width = list(buckets), table_width
+        for name, xs in [("buckets", buckets), ("spans", spans)]:
+            if not xs or sorted(set(xs)) != list(xs) or xs[0] < 1:
+                raise ValueError(f"{name}={xs!r}: give increasing ints >= 1")
+        self.buckets, self.spans = list(buckets), list(spans)
+        self.block_size = getattr(self.kv, "block_size", None)  # None: slots
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
             raise ValueError(f"capture=True needs a CUDA device, not {self.device}")
-        self.static: dict[int, tuple] = {}   # bucket -> (ids, meta, logits)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.static: dict[tuple, tuple] = {}  # (bucket, span) -> (ids, meta, logits)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None                      # one memory pool for every graph
 
     def __getattr__(self, name):              # add, remove, generators, ...
         return getattr(self.runner, name)
 
-    def bucket(self, batch_size: int) -> int | None:
-        """The smallest bucket that holds the batch; None: run it eagerly."""
-        return next((b for b in self.buckets if b >= batch_size), None)
+    def key(self, batch_size: int, context: int) -> tuple[int, int] | None:
+        """The smallest (bucket, span) that holds the step; None: run it eagerly."""
+        b = next((b for b in self.buckets if b >= batch_size), None)
+        s = next((s for s in self.spans if s >= context), None)
+        return None if b is None or s is None else (b, s)
 
 # %% ../../chapters/07_performance.ipynb #c13-graphs
-def _buffers(self, b: int) -> tuple:
-    """Static input tensors of bucket b, filled with padding rows."""
+def _buffers(self, key: tuple[int, int]) -> tuple:
+    """Static input tensors of one (bucket, span), filled with padding rows."""
+    b, span = key
+    width = 1 if self.block_size is None else -(-span // self.block_size)
+
     def z(*shape):
         return torch.zeros(*shape, dtype=torch.long, device=self.device)
     meta = StepMeta(positions=z(b, 1), logits_index=z(b), slot_mapping=z(b, 1),
-                    context_lens=z(b), block_tables=z(b, self.width), max_context=None)
+                    context_lens=z(b), block_tables=z(b, width), max_context=span)
     ids = z(b, 1)
-    _fill(self, ids, meta, b, None, None)
+    _fill(self, ids, meta, None, None)
     return ids, meta
 
 
-def _fill(self, ids, meta, b, new_ids, new_meta) -> None:
-    """Copy a step's B rows into a bucket's buffers; rows B..b-1 are padding."""
+def _fill(self, ids, meta, new_ids, new_meta) -> None:
+    """Copy a step's B rows into static buffers; the rows after B are padding."""
     B = 0 if new_ids is None else new_ids.shape[0]
     meta.slot_mapping[B:] = self.kv.pad_slot   # padding writes to the spare slot
     meta.context_lens[B:] = 1                  # and attends to one position
@@ -87,9 +95,9 @@ def _forward(self, ids, meta) -> torch.Tensor:
     return self.model(ids, meta.positions, kv=self.kv, meta=meta)
 
 
-def _capture(self, b: int) -> None:
-    """Record bucket b's decode forward (on padding rows only) as a CUDA graph."""
-    ids, meta = self._buffers(b)
+def _capture(self, key: tuple[int, int]) -> None:
+    """Record one bucket's decode forward (on padding rows only) as a CUDA graph."""
+    ids, meta = self._buffers(key)
     stream = torch.cuda.Stream(self.device)
     stream.wait_stream(torch.cuda.current_stream(self.device))
     with torch.cuda.stream(stream):            # warm up outside the graph
@@ -101,14 +109,15 @@ def _capture(self, b: int) -> None:
     with torch.cuda.graph(graph, pool=self.pool):
         logits = self.model(ids, meta.positions, kv=self.kv, meta=meta)
     self.pool = graph.pool()
-    self.static[b], self.graphs[b] = (ids, meta, logits), graph
+    self.static[key], self.graphs[key] = (ids, meta, logits), graph
 
 
 def capture_all(self) -> None:
     """Capture every bucket, the largest first (the others reuse its memory)."""
     for b in sorted(self.buckets, reverse=True):
-        if b not in self.graphs:
-            _capture(self, b)
+        for s in sorted(self.spans, reverse=True):
+            if (b, s) not in self.graphs:
+                _capture(self, (b, s))
 
 
 GraphRunner._capture, GraphRunner.capture_all = _capture, capture_all
@@ -116,22 +125,22 @@ GraphRunner._capture, GraphRunner.capture_all = _capture, capture_all
 # %% ../../chapters/07_performance.ipynb #c15-graphs
 @torch.inference_mode()
 def run(self, seqs: list, is_prefill: bool) -> list[int]:
-    """One engine step: decode through the bucket's graph, the rest eagerly."""
-    b = None if is_prefill else self.bucket(len(seqs))
-    if b is None:
+    """One engine step: decode through its bucket's graph, the rest eagerly."""
+    key = None if is_prefill else self.key(len(seqs), max(s.num_tokens for s in seqs))
+    if key is None:                            # prefill, too many rows, too long
         return self.runner.run(seqs, is_prefill)
     new_ids, new_meta = self.runner.prepare_decode(seqs)
     if self.capture:
-        if b not in self.graphs:
-            self._capture(b)
-        ids, meta, logits = self.static[b]
-        self._fill(ids, meta, b, new_ids, new_meta)
-        self.graphs[b].replay()
+        if key not in self.graphs:
+            self._capture(key)
+        ids, meta, logits = self.static[key]
+        self._fill(ids, meta, new_ids, new_meta)
+        self.graphs[key].replay()
     else:                                      # the same buffers, run eagerly
-        if b not in self.static:
-            self.static[b] = (*self._buffers(b), None)
-        ids, meta, _ = self.static[b]
-        self._fill(ids, meta, b, new_ids, new_meta)
+        if key not in self.static:
+            self.static[key] = (*self._buffers(key), None)
+        ids, meta, _ = self.static[key]
+        self._fill(ids, meta, new_ids, new_meta)
         logits = _forward(self, ids, meta)
     if hasattr(self.kv, "blocks"):             # chapter 6: what the forward wrote
         self.kv.blocks.publish()               # may be shared now (Python, not graph)
@@ -142,17 +151,17 @@ GraphRunner.run = run
 
 # %% ../../chapters/07_performance.ipynb #c16-graphs
 def enable_cuda_graphs(engine, buckets: list[int] | None = None,
+                       spans: list[int] | None = None,
                        capture: bool | None = None) -> GraphRunner:
     """Make `engine` decode through CUDA graphs (on a CUDA device; elsewhere through
-    the same static buffers, eagerly). Returns the GraphRunner."""
+    the same static buffers, eagerly). Batch buckets default to 1, 2, 4, ...
+    max_num_seqs; attention spans to 16 (a block), 32, ... max_model_len."""
     if isinstance(engine.runner, GraphRunner):
         raise ValueError("this engine decodes through CUDA graphs already")
-    buckets = default_buckets(engine.scheduler.max_num_seqs) if buckets is None \
-        else buckets
-    kv = engine.kv
-    if hasattr(kv, "blocks"):                  # paged: a table holds a request's blocks
-        width = -(-engine.max_model_len // kv.block_size)
-    else:                                      # slots: one row per request
-        width = 1
-    engine.runner = GraphRunner(engine.runner, buckets, width, capture)
+    if buckets is None:
+        buckets = default_buckets(engine.scheduler.max_num_seqs)
+    if spans is None:
+        bs = getattr(engine.kv, "block_size", 16)
+        spans = default_buckets(-(-engine.max_model_len // bs) * bs, bs)
+    engine.runner = GraphRunner(engine.runner, buckets, spans, capture)
     return engine.runner
