@@ -86,3 +86,45 @@ def test_graph_replay_equals_eager_on_the_gpu(llama, kv_cache):
             serve(gpu, kv_cache, False, arrivals)
     finally:
         model.to("cpu")
+
+
+@pytest.mark.cuda
+def test_compiled_parts_inside_graphs_equal_eager_on_the_gpu(llama):
+    import copy
+
+    from minillm.engine.graphs import compile_parts
+    _, model = llama
+    gpu = copy.deepcopy(model).to("cuda")
+    compiled = copy.deepcopy(gpu)
+    compile_parts(compiled)
+    arrivals = requests(4)
+    assert serve(compiled, "paged", True, arrivals, capture=None) == \
+        serve(gpu, "paged", False, arrivals)
+
+
+def test_graph_runner_keeps_the_engine_usable_after_an_error(llama):
+    """A bad step (here: a forward that raises) leaves no request half done."""
+    _, model = llama
+    engine = LLMEngine(model, max_num_seqs=4, kv_cache="paged")
+    runner = enable_cuda_graphs(engine, capture=False)
+    rid = engine.add_request([1, 5, 7], SamplingParams(temperature=0, max_new_tokens=6))
+    engine.step()                                   # prefill, eager
+    free = engine.kv.blocks.num_free
+    real = runner.model.forward
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+    runner.model.forward = broken
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.step()
+    finally:
+        runner.model.forward = real
+    assert engine.kv.blocks.num_free == free
+    while engine.has_unfinished():
+        engine.step()
+    expected = LLMEngine(model, max_num_seqs=4, kv_cache="paged")
+    rid2 = expected.add_request([1, 5, 7], SamplingParams(temperature=0, max_new_tokens=6))
+    while expected.has_unfinished():
+        expected.step()
+    assert engine.pop(rid).output_ids == expected.pop(rid2).output_ids

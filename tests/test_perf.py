@@ -1,4 +1,6 @@
 """minillm.perf: GPU peak table lookup and memory-bandwidth utilisation."""
+import copy
+
 import pytest
 
 from minillm.perf import GPU_PEAKS, mbu, peak_for
@@ -22,3 +24,53 @@ def test_mbu():
     for bad in (0, -1, float("nan"), True, "1"):
         with pytest.raises(ValueError):
             mbu(bad, 1.0, 1.0)
+
+
+def test_measure_bandwidth_is_a_positive_rate_and_refuses_bad_sizes():
+    from minillm.perf import measure_bandwidth
+    rate = measure_bandwidth("cpu", nbytes=2**22, repeats=3)
+    assert 1e8 < rate < 1e13  # between 0.1 GB/s and 10 TB/s
+    for kw in (dict(nbytes=1000), dict(nbytes=2.0**22), dict(repeats=0),
+               dict(repeats=True)):
+        with pytest.raises(ValueError, match="must be an int"):
+            measure_bandwidth("cpu", **kw)
+
+
+def test_decode_bytes_counts_weights_once_and_one_embedding_row(llama):
+    import torch
+
+    from minillm.perf import decode_bytes
+    from minillm.quant import quantize
+    _, model = llama
+    c = model.config
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    row = c.hidden_size * 4
+    table = c.vocab_size * row
+    assert decode_bytes(model) == params - table + row          # untied: one row read
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    assert decode_bytes(model, context=10) == decode_bytes(model) + 10 * kv
+    tied = type(model)(type(c)(**{**vars(c), "tie_word_embeddings": True}))
+    tied_params = sum(p.numel() * p.element_size() for p in tied.parameters())
+    assert decode_bytes(tied) == tied_params                    # the head reads it all
+    int8 = quantize(copy.deepcopy(model), "w8a16")
+    assert decode_bytes(int8) < 0.5 * decode_bytes(model)        # 1 byte vs 4 a weight
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="context"):
+            decode_bytes(model, context=bad)
+
+
+def test_compile_parts_keeps_weights_names_and_logits(llama):
+    import torch
+
+    from minillm.engine.graphs import compile_parts
+    _, model = llama
+    compiled = copy.deepcopy(model)
+    names = compile_parts(compiled)
+    c = model.config
+    assert len(names) == 3 * c.num_layers + 1 and names[-1] == "norm"
+    assert list(compiled.state_dict()) == list(model.state_dict())
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    pos = torch.arange(5).unsqueeze(0)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(ids, pos), model(ids, pos),
+                                   rtol=1e-4, atol=1e-4)
