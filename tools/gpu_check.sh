@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks of the project, on a CUDA machine: the unit tests (those marked `cuda`
-# run only there) and every chapter top to bottom under nbval. Writes what it saw to
-# $OUT (default gpu-results/): versions.txt, unit.txt, chapters.txt.
+# The GPU checks of the project, on a CUDA machine: chapter 7's decode benchmark on real
+# model shapes, the unit tests (those marked `cuda` run only there) and every chapter top
+# to bottom under nbval (with MINILLM_RECORD=1: the chapters record their GPU reference
+# runs). Writes what it saw to $OUT (default gpu-results/): versions.txt, bench.txt and
+# decode_*.csv, unit.txt, chapters.txt and the recorded files. STEPS picks the parts
+# (default "bench unit chapters"); BENCH_MODELS the shapes (default SmolLM2-135M Llama-2-7B).
 # On an offline machine, bring the notebook tooling as wheels first (../shared/gpu/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,12 +21,25 @@ print(f"{torch.cuda.get_device_name(0)} | torch {torch.__version__} (CUDA "
 PY
 export PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 MPLBACKEND=agg TQDM_DISABLE=1
 status=0
+steps="${STEPS:-bench unit chapters}"
+if [[ " $steps " == *" bench "* ]]; then
+    for model in ${BENCH_MODELS:-SmolLM2-135M Llama-2-7B}; do
+        timeout "${BENCH_TIMEOUT:-400}" python3 -m minillm.bench_perf --model "$model" \
+            --batch 1 64 --compile --out "$out" 2>&1 | tail -20 | tee -a "$out/bench.txt"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
+fi
+[[ " $steps " == *" unit "* ]] && {
 timeout "${UNIT_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -p no:randomly \
     -m "not browser and not colab" tests -rs 2>&1 | tail -40 | tee "$out/unit.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-timeout "${CHAPTER_TIMEOUT:-1500}" python3 -m pytest -q -p no:cacheprovider -p no:randomly \
+}
+[[ " $steps " == *" chapters "* ]] && {
+MINILLM_RECORD=1 timeout "${CHAPTER_TIMEOUT:-1500}" python3 -m pytest -q -p no:cacheprovider -p no:randomly \
     --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --durations=15 \
     ${CHAPTERS:-chapters} 2>&1 | tail -80 | tee "$out/chapters.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+cp data/benchmarks/*cuda* "$out/" 2>/dev/null
+}
 echo "gpu_check: $([ $status -eq 0 ] && echo all green || echo FAILURES) (see $out/)"
 exit $status
