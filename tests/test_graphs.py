@@ -128,3 +128,24 @@ def test_graph_runner_keeps_the_engine_usable_after_an_error(llama):
     while expected.has_unfinished():
         expected.step()
     assert engine.pop(rid).output_ids == expected.pop(rid2).output_ids
+
+
+def test_engine_and_llm_take_cuda_graphs(llama):
+    from minillm.engine import LLM
+    _, model = llama
+    engine = LLMEngine(model, max_num_seqs=3, cuda_graphs=True)
+    assert isinstance(engine.runner, GraphRunner)
+    assert engine.runner.capture is (engine.runner.device.type == "cuda")
+    assert not isinstance(LLMEngine(model, max_num_seqs=3).runner, GraphRunner)
+    llm = LLM(model, max_num_seqs=3, kv_cache="slots", cuda_graphs=True)
+    assert isinstance(llm.engine.runner, GraphRunner)
+    params = SamplingParams(temperature=0, max_new_tokens=7, ignore_eos=True)
+    prompts = [[1, 4, 9], [1, 16, 25, 36, 49], [1, 2]]
+    eager = LLM(model, max_num_seqs=3, kv_cache="slots").generate(prompts, params,
+                                                                   use_tqdm=False)
+    graphs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in graphs] == \
+        [o.token_ids for o in eager]
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="cuda_graphs"):
+            LLMEngine(model, cuda_graphs=bad)

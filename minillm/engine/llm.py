@@ -53,7 +53,7 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, policy: str = "continuous",
-                 kv_cache: str | None = None, **paged):
+                 kv_cache: str | None = None, cuda_graphs: bool = False, **paged):
         context = model.config.context_length
         max_model_len = context if max_model_len is None else max_model_len
         max_num_batched_tokens = (max(2048, max_model_len)
@@ -64,6 +64,8 @@ class LLMEngine:
                             ("max_model_len", max_model_len)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs={cuda_graphs!r}: must be True or False")
         if max_model_len > context:
             raise ValueError(f"max_model_len={max_model_len} is larger than the "
                              f"model's context of {context} positions")
@@ -88,6 +90,9 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}  # every request not yet collected
         self.history: list[StepRecord] = []
         self._ids = itertools.count()
+        if cuda_graphs:  # Chapter 7: decode steps replay CUDA graphs
+            from minillm.engine.graphs import enable_cuda_graphs
+            enable_cuda_graphs(self)
 
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None,
@@ -225,7 +230,8 @@ class LLM:
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, dtype=None, device=None,
-                 policy: str = "continuous", kv_cache: str | None = None, **paged):
+                 policy: str = "continuous", kv_cache: str | None = None,
+                 cuda_graphs: bool = False, **paged):
         if not isinstance(model, torch.nn.Module):  # a folder or a Hub name
             from minillm.model import load_model
             from minillm.tokenizer import Tokenizer
@@ -234,7 +240,8 @@ class LLM:
             if tokenizer is None:
                 tokenizer = Tokenizer.from_pretrained(path)
         self.engine = LLMEngine(model, tokenizer, max_num_seqs, max_num_batched_tokens,
-                                max_model_len, policy, kv_cache, **paged)
+                                max_model_len, policy, kv_cache, cuda_graphs,
+                                **paged)
 
     def generate(self, prompts, params: SamplingParams | list | None = None,
                  use_tqdm: bool = True) -> list[CompletionOutput]:
