@@ -3,8 +3,10 @@
 # %% ../chapters/07_performance.ipynb #c11-floors
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -31,7 +33,7 @@ def measure_bandwidth(device, nbytes: int = 2**28, repeats: int = 10) -> float:
     return 2 * src.numel() * 4 / statistics.median(times)
 
 # %% auto #0
-__all__ = ['GPU_PEAKS', 'measure_bandwidth', 'decode_bytes', 'peak_for', 'mbu']
+__all__ = ['GPU_PEAKS', 'measure_bandwidth', 'decode_bytes', 'peak_for', 'mbu', 'quiet_native_stderr']
 
 # %% ../chapters/07_performance.ipynb #c12-floors
 def decode_bytes(model: torch.nn.Module, context: int = 0) -> int:
@@ -81,3 +83,19 @@ def mbu(bytes_per_step: float, seconds_per_step: float, peak_bandwidth: float) -
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise ValueError(f"{name}={v!r}: must be a number > 0")
     return bytes_per_step / seconds_per_step / peak_bandwidth
+
+# %% ../chapters/07_performance.ipynb #c70b-profile
+@contextmanager
+def quiet_native_stderr():
+    """Send what C++ code writes straight to file descriptor 2 to /dev/null for the
+    block (this torch build's profiler prints 'USDT ... profiler_start' lines there).
+    In Jupyter, Python's own warnings and errors do not use it and still show."""
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

@@ -74,3 +74,18 @@ def test_compile_parts_keeps_weights_names_and_logits(llama):
     with torch.inference_mode():
         torch.testing.assert_close(compiled(ids, pos), model(ids, pos),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_quiet_native_stderr_silences_fd_2_and_restores_it(capfd):
+    import os
+
+    from minillm.perf import quiet_native_stderr
+    with quiet_native_stderr():
+        os.write(2, b"hidden\n")
+    os.write(2, b"shown\n")
+    assert capfd.readouterr().err == "shown\n"
+    with pytest.raises(RuntimeError):
+        with quiet_native_stderr():
+            raise RuntimeError("the descriptor comes back after an error too")
+    os.write(2, b"back\n")
+    assert capfd.readouterr().err == "back\n"
