@@ -182,24 +182,30 @@ def score(rows, model, device, dtype, name, prompt_tokens, n, repeats) -> list[d
     return rows
 
 # %% ../chapters/07_performance.ipynb #c97b-bench
-COLUMNS = [("way", "{}"), ("batch", "{}"), ("ms_per_token", "{:.2f}"),
-           ("tokens_per_s", "{:.1f}"), ("x_transformers", "{:.2f}"),
-           ("x_batch_1", "{:.1f}"), ("MBU", "{:.0%}"),
-           ("same_tokens_as_transformers", "{}")]
+COLUMNS = [("way", "way", "{}"), ("batch", "batch", "{:.0f}"),
+           ("ms_per_token", "ms/token", "{:.2f}"),
+           ("tokens_per_s", "tokens/s", "{:.1f}"),
+           ("x_transformers", "x HF", "{:.2f}"), ("x_batch_1", "x b1", "{:.1f}"),
+           ("MBU", "MBU", "{:.0%}"),
+           ("same_tokens_as_transformers", "same ids", "{:.0f}")]
 
 
 def format_table(rows: list[dict]) -> str:
-    cells = [[c for c, _ in COLUMNS]] + [
-        [("-" if r.get(c) is None else f.format(r[c])) for c, f in COLUMNS]
-        for r in rows]
+    """A text table that fits 88 columns; rows may come back from the CSV file."""
+    def cell(v, f):
+        return "-" if v is None or v != v else f.format(v)  # v != v: NaN
+    cells = [[h for _, h, _ in COLUMNS]] + [
+        [cell(r.get(c), f) for c, _, f in COLUMNS] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    lines = [" ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
+             for row in cells]
     i = rows[0]
-    return "\n".join([f"{i['model']}, {i['dtype']}, {i['hardware']}, "
-                      f"torch {i['torch']}, {i['prompt_tokens']}-token prompt + "
-                      f"{i['new_tokens']} new tokens, "
-                      f"median of {i['repeats']}; peak {i['peak_GB_per_s']} GB/s "
-                      f"({i['peak_from']})", *lines])
+    return "\n".join([
+        f"{i['model']}, {i['dtype']}, {i['hardware']}, torch {i['torch']}",
+        f"{i['prompt_tokens']}-token prompt + {i['new_tokens']} new tokens, median of "
+        f"{i['repeats']}; peak {i['peak_GB_per_s']} GB/s ({i['peak_from']})",
+        "x HF: speed-up over transformers; x b1: tokens/s over batch 1",
+        "same ids: how many tokens equal transformers' tokens", *lines])
 
 
 def write_csv(rows: list[dict], folder) -> list[Path]:
