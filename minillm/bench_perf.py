@@ -17,7 +17,7 @@ from .bench import (add_run_arguments, check_run_arguments, greedy,
                            hardware_name, measure, minillm_methods, random_prompt,
                            report, torch_threads, transformers_method)
 from .engine import LLMEngine
-from .engine.graphs import compile_parts, enable_cuda_graphs
+from .engine.graphs import compile_parts
 from .memory import PRESETS
 from .model import ModelConfig, Transformer, load_model
 from .perf import decode_bytes, measure_bandwidth, mbu, peak_for
@@ -60,37 +60,51 @@ def model_pair(name: str, dtype: torch.dtype, device: torch.device):
     return ours.eval(), hf.eval()
 
 # %% auto #0
-__all__ = ['DTYPES', 'COLUMNS', 'model_pair', 'time_engine', 'agreement', 'check_perf_args', 'run_perf_benchmark', 'score',
-           'format_table', 'write_csv', 'main']
+__all__ = ['DTYPES', 'COLUMNS', 'model_pair', 'engine_run', 'loop_run', 'round_robin', 'agreement', 'check_perf_args',
+           'run_perf_benchmark', 'score', 'format_table', 'write_csv', 'main']
 
 # %% ../chapters/07_performance.ipynb #c94-bench
-def time_engine(model, prompt: list[int], n: int, batch: int, graphs: bool,
-                repeats: int, device) -> dict:
-    """Serve `batch` copies of the prompt, n tokens each, `repeats` times on one engine
-    (after a warm-up run, which also records the graphs). Returns the median ms per
-    decode step, the median tokens/s and the first request's tokens."""
-    engine = LLMEngine(model, max_num_seqs=batch, kv_cache="paged",
-                       max_model_len=len(prompt) + n)
-    if graphs:
-        enable_cuda_graphs(engine)
-    step_ms, rates, ids = [], [], None
-    for run in range(repeats + 1):           # run 0 warms up
-        first = len(engine.history)
-        rids = [engine.add_request(prompt, greedy(n)) for _ in range(batch)]
-        synchronize(device)
-        start = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()                    # returns once the ids are on the CPU
-        synchronize(device)
-        took = time.perf_counter() - start
-        ids = [engine.pop(r).output_ids for r in rids][0]
-        if run:
-            decode = [r.end - r.start for r in engine.history[first:]
-                      if not r.is_prefill]
-            step_ms.append(statistics.median(decode) * 1e3)
-            rates.append(batch * n / took)
-    return {"ms_per_token": statistics.median(step_ms),
-            "tokens_per_s": statistics.median(rates), "ids": ids}
+def engine_run(engine, prompt: list[int], n: int, batch: int, device) -> dict:
+    """Serve `batch` copies of the prompt, n tokens each, on `engine`: the median ms
+    per decode step, tokens/s, seconds, and the first request's tokens."""
+    first = len(engine.history)
+    rids = [engine.add_request(prompt, greedy(n)) for _ in range(batch)]
+    synchronize(device)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()                        # returns once the ids are on the CPU
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    decode = [r.end - r.start for r in engine.history[first:] if not r.is_prefill]
+    return {"ms_per_token": statistics.median(decode) * 1e3,
+            "tokens_per_s": batch * n / seconds, "seconds": seconds,
+            "ids": engine.pop(rids[0]).output_ids}
+
+
+def loop_run(method, prompt: list[int], n: int, device) -> dict:
+    """One generation by chapter 3's loop or transformers: median ms per token."""
+    m = measure(method, prompt, n, device)
+    return {"ms_per_token": statistics.median(m.step_s) * 1e3, "ids": m.tokens}
+
+
+def round_robin(ways: dict, repeats: int) -> list[dict]:
+    """Run every way once per round, `repeats` + 1 rounds (the first warms up, records
+    graphs, compiles): a slow drift of the machine hits every way alike. One row per
+    way with the medians; first_run_s is the first round's time."""
+    runs = {name: [] for name in ways}
+    for _ in range(repeats + 1):
+        for name, run in ways.items():
+            runs[name].append(run())
+    rows = []
+    for name, (first, *timed) in runs.items():
+        row = {"way": name, "ids": timed[0]["ids"]}
+        for key in ("ms_per_token", "tokens_per_s"):
+            if key in first:
+                row[key] = statistics.median(r[key] for r in timed)
+        if "seconds" in first:
+            row["first_run_s"] = first["seconds"]
+        rows.append(row)
+    return rows
 
 # %% ../chapters/07_performance.ipynb #c95-bench
 def agreement(ids: list[int], reference: list[int]) -> int:
@@ -122,34 +136,41 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
                        compile: bool = False) -> list[dict]:
     """Decode at batch 1 (transformers, chapter 3's loop, the engine eager, with graphs,
     with torch.compile) and the engine at each batch size: one row per way and batch."""
+    from functools import partial
+
     from minillm.utils import pick_device
     check_perf_args(model, dtype, prompt_tokens, new_tokens, batches, repeats)
     device = pick_device(device)
     dtype = dtype or ("float16" if device.type == "cuda" else "float32")
     ours, hf = model_pair(model, DTYPES[dtype], device)
-    if prompt_tokens + new_tokens > ours.config.context_length:
-        raise ValueError(f"prompt_tokens + new_tokens = {prompt_tokens + new_tokens}: "
-                         f"more than the context of {ours.config.context_length}")
+    n = new_tokens
+    if prompt_tokens + n > ours.config.context_length:
+        raise ValueError(f"prompt_tokens + new_tokens = {prompt_tokens + n}: more "
+                         f"than the context of {ours.config.context_length}")
     prompt = random_prompt(ours.config.vocab_size, prompt_tokens)
-    n, rows = new_tokens, []
-    for name, method in [("transformers generate()", transformers_method(hf)),
-                         ("KV cache loop (ch. 3)", minillm_methods(ours)[1])]:
-        runs = [measure(method, prompt, n, device) for _ in range(repeats + 1)][1:]
-        rows.append({"way": name, "batch": 1, "ids": runs[0].tokens,
-                     "ms_per_token": statistics.median(
-                         statistics.median(r.step_s) * 1e3 for r in runs)})
-    del hf                                   # its memory goes back before the engine
+
+    def engine(m, batch, graphs):
+        e = LLMEngine(m, max_num_seqs=batch, kv_cache="paged",
+                      max_model_len=prompt_tokens + n, cuda_graphs=graphs)
+        return partial(engine_run, e, prompt, n, batch, device)
+    eager, graphs = "engine (ch. 4, 6)", "engine + CUDA graphs (ch. 7)"
+    ways = {"transformers generate()": partial(loop_run, transformers_method(hf),
+                                               prompt, n, device),
+            "KV cache loop (ch. 3)": partial(loop_run, minillm_methods(ours)[1],
+                                             prompt, n, device),
+            eager: engine(ours, 1, False), graphs: engine(ours, 1, True)}
+    rows = [{"batch": 1, **r} for r in round_robin(ways, repeats)]
+    del hf, ways                             # transformers' memory goes back first
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    ways = [("engine (ch. 4, 6)", False), ("engine + CUDA graphs (ch. 7)", True)]
-    for name, graphs in ways + ([("engine + graphs + torch.compile", True)] * compile):
-        if "compile" in name:
-            compile_parts(ours)
+    for batch in [b for b in batches if b != 1]:
+        ways = {eager: engine(ours, batch, False), graphs: engine(ours, batch, True)}
+        rows += [{"batch": batch, **r} for r in round_robin(ways, repeats)]
+    if compile:
+        compile_parts(ours)
         for batch in batches:
-            start = time.perf_counter()
-            r = time_engine(ours, prompt, n, batch, graphs, repeats, device)
-            rows.append({"way": name, "batch": batch, **r,
-                         "seconds (warm-up included)": time.perf_counter() - start})
+            ways = {"engine + graphs + torch.compile": engine(ours, batch, True)}
+            rows += [{"batch": batch, **r} for r in round_robin(ways, repeats)]
     return score(rows, ours, device, dtype, model, prompt_tokens, n, repeats)
 
 # %% ../chapters/07_performance.ipynb #c97-bench

@@ -22,8 +22,8 @@ def rows():
 def test_rows_ways_tokens_and_ratios(rows):
     assert [(r["way"], r["batch"]) for r in rows] == [
         ("transformers generate()", 1), ("KV cache loop (ch. 3)", 1),
-        ("engine (ch. 4, 6)", 1), ("engine (ch. 4, 6)", 3),
-        ("engine + CUDA graphs (ch. 7)", 1), ("engine + CUDA graphs (ch. 7)", 3)]
+        ("engine (ch. 4, 6)", 1), ("engine + CUDA graphs (ch. 7)", 1),
+        ("engine (ch. 4, 6)", 3), ("engine + CUDA graphs (ch. 7)", 3)]
     one = [r for r in rows if r["batch"] == 1]
     assert all(r["same_tokens_as_transformers"] == 5 for r in one)   # float32: all
     hf_ms = rows[0]["ms_per_token"]
@@ -70,6 +70,20 @@ def test_preset_model_pair_has_the_same_weights_and_logits():
         mine = ours(ids, torch.arange(5).unsqueeze(0))
         theirs = hf(ids).logits
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_round_robin_interleaves_the_ways_and_drops_the_first_round():
+    log = []
+
+    def way(name, times):
+        it = iter(times)
+        return lambda: log.append(name) or {"ms_per_token": next(it), "ids": [name],
+                                            "seconds": 9.0}
+    rows = bench_perf.round_robin({"a": way("a", [100, 1, 3, 2]),
+                                   "b": way("b", [50, 5, 6, 7])}, repeats=3)
+    assert log == ["a", "b"] * 4
+    assert rows == [{"way": "a", "ids": ["a"], "ms_per_token": 2, "first_run_s": 9.0},
+                    {"way": "b", "ids": ["b"], "ms_per_token": 6, "first_run_s": 9.0}]
 
 
 def test_agreement_counts_the_shared_prefix():
