@@ -7,9 +7,13 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import hashlib
+import inspect
+import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -30,11 +34,11 @@ from .sampling import SamplingParams
 from .utils import bundled_model_path, pick_device, synchronize
 
 # %% auto #0
-__all__ = ['MODELS', 'DEFAULT_OUT', 'hardware_name', 'StepClock', 'Method', 'greedy', 'minillm_methods', 'transformers_method',
-           'weight_nbytes', 'Measurement', 'memory_kind', 'measure', 'KVBenchmark', 'random_prompt', 'check_counts',
-           'check_fits', 'run_kv_benchmark', 'summarise', 'format_table', 'csv_stem', 'write_csv',
-           'random_model_folder', 'model_folder', 'writable_folder', 'add_run_arguments', 'check_run_arguments',
-           'torch_threads', 'report', 'kv_parser', 'check_kv_args', 'main']
+__all__ = ['MODELS', 'BUILD_STAMP', 'DEFAULT_OUT', 'hardware_name', 'StepClock', 'Method', 'greedy', 'minillm_methods',
+           'transformers_method', 'weight_nbytes', 'Measurement', 'memory_kind', 'measure', 'KVBenchmark',
+           'random_prompt', 'check_counts', 'check_fits', 'run_kv_benchmark', 'summarise', 'format_table', 'csv_stem',
+           'write_csv', 'cached_build', 'source_hash', 'random_model_folder', 'model_folder', 'writable_folder',
+           'add_run_arguments', 'check_run_arguments', 'torch_threads', 'report', 'kv_parser', 'check_kv_args', 'main']
 
 # %% ../chapters/03_kv_cache.ipynb #c040
 def hardware_name(device: str | torch.device) -> str:
@@ -349,35 +353,80 @@ def write_csv(result: KVBenchmark, folder: str | Path) -> tuple[Path, Path]:
 MODELS = {"bundled": None, "smollm2-135m": "SmolLM2-135M"}
 
 
+BUILD_STAMP = "minillm-build.json"  # what a cached folder was built from
+
+
+def cached_build(name: str, recipe: dict, build: Callable[[Path], None],
+                 folder: str | Path | None = None) -> Path:
+    """A folder that `build(path)` writes from `recipe`, built once and then reused.
+
+    The recipe (the config, the seed, the library versions, the builder's source) is
+    stored in the folder and hashed into its default name in the temp directory: a
+    copy built from anything else is rebuilt, never reused. It is written aside, then
+    renamed: a crash leaves no half folder behind.
+    """
+    recipe = json.loads(json.dumps(recipe, sort_keys=True, default=str))
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    folder = Path(folder or Path(tempfile.gettempdir()) / f"{name}-{key}")
+    stamp = folder / BUILD_STAMP
+    if stamp.is_file():
+        try:
+            if json.loads(stamp.read_text()) == recipe:
+                return folder
+        except ValueError:
+            pass  # a torn stamp: rebuild
+    elif folder.exists() and any(folder.iterdir()):
+        raise ValueError(f"folder={str(folder)!r} exists and was not built here (no "
+                         f"{BUILD_STAMP}); pass an empty or new folder")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        build(tmp)
+        (tmp / BUILD_STAMP).write_text(json.dumps(recipe, indent=2))  # the last file
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return folder
+
+
+def source_hash(fn: Callable) -> str:
+    """A short hash of a function's source: part of a recipe, so new code rebuilds."""
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:12]
+
+
 def random_model_folder(preset: str = "SmolLM2-135M", folder: str | Path | None = None,
-                        seed: int = 0) -> Path:
+                        seed: int = 0, **overrides) -> Path:
     """A random Llama of a real model's shape (minillm.memory.PRESETS), in HF format.
 
     Random weights produce nonsense text but take exactly as long as real ones: good for
-    timing, and nothing to download. Built once, then reused from `folder` (default: the
-    temp directory).
+    timing, and nothing to download. `overrides` change config fields of the preset
+    (e.g. `num_hidden_layers=2` for a small test). Built once, then reused from
+    `folder` (default: the temp directory) while it matches what it was built from.
     """
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r}; allowed: {sorted(PRESETS)}")
-    if PRESETS[preset].get("attention_bias"):
+    if PRESETS[preset]["model_type"] != "llama":
         raise ValueError(f"preset={preset!r} is a Qwen2 shape; only Llama shapes here")
-    default = Path(tempfile.gettempdir()) / f"minillm-random-{preset.lower()}"
-    folder = Path(folder or default)
-    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
-        return folder
+    unknown = sorted(set(overrides) - set(PRESETS[preset]))
+    if unknown:
+        raise ValueError(f"overrides {unknown} are not preset fields; allowed: "
+                         f"{sorted(PRESETS[preset])}")
     import transformers
-    config = transformers.LlamaConfig(**PRESETS[preset], max_position_embeddings=8192,
-                                      rope_theta=100000.0, rms_norm_eps=1e-5,
-                                      bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name, dir=folder.parent))
-    model.save_pretrained(tmp)  # written aside, then renamed: never half a folder
-    if folder.exists():
-        import shutil
-        shutil.rmtree(folder)
-    tmp.rename(folder)
-    return folder
+    fields = {**PRESETS[preset], "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+              "bos_token_id": 0, "eos_token_id": 0, **overrides}
+    fields.pop("model_type")  # LlamaConfig knows its own
+
+    def build(path: Path) -> None:
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+        model.save_pretrained(path)
+
+    recipe = {"config": fields, "seed": seed, "transformers": transformers.__version__,
+              "torch": torch.__version__, "code": source_hash(random_model_folder)}
+    return cached_build(f"minillm-random-{preset.lower()}", recipe, build, folder)
 
 
 def model_folder(name: str) -> Path:

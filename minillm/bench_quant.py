@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import statistics
 import sys
 import tempfile
@@ -27,9 +26,10 @@ import torch
 from tqdm.auto import tqdm
 
 import minillm
-from .bench import (MODELS, Method, add_run_arguments, check_counts, check_fits,
-                           greedy, hardware_name, measure, model_folder,
-                           random_prompt, report, torch_threads)
+from .bench import (MODELS, Method, add_run_arguments, cached_build,
+                           check_counts, check_fits, greedy, hardware_name, measure,
+                           model_folder, random_prompt, report, source_hash,
+                           torch_threads)
 from .bench_serving import heldout_ids, shakespeare_missing
 from .kvcache import KVCache, generate
 from .memory import PRESETS
@@ -333,22 +333,16 @@ def sharded_random_folder(preset: str = "Llama-2-7B", folder: str | Path | None 
     """A random float16 Llama of a preset's shape, in shards of <= `shard_bytes`
     (a tensor larger than that gets a shard of its own), with the index file.
     Tensors are made one at a time: memory holds at most one shard. Built once, then
-    reused from `folder` (default: the temp directory)."""
+    reused from `folder` (default: the temp directory) while it matches what it was
+    built from (Chapter 3's `cached_build`)."""
     from safetensors.torch import save_file
     if preset not in PRESETS or PRESETS[preset]["model_type"] != "llama":
         llamas = sorted(p for p in PRESETS if PRESETS[p]["model_type"] == "llama")
         raise ValueError(f"preset={preset!r}; allowed (Llama shapes): {llamas}")
-    default = Path(tempfile.gettempdir()) / f"minillm-sharded-{preset.lower()}"
-    folder = Path(folder or default)
-    if (folder / "model.safetensors.index.json").is_file():
-        return folder  # the index is written last: its presence means complete
     config = {**PRESETS[preset], "architectures": ["LlamaForCausalLM"],
               "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "bos_token_id": 0,
               "eos_token_id": 0, "torch_dtype": "float16", "hidden_act": "silu"}
     names = hf_names(config)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name, dir=folder.parent))
-    g = torch.Generator().manual_seed(seed)
     shards, shard, size = [], {}, 0
     for name, shape in names:  # group the tensors into shards, in order
         nbytes = math.prod(shape) * 2
@@ -358,8 +352,10 @@ def sharded_random_folder(preset: str = "Llama-2-7B", folder: str | Path | None 
         shard[name] = shape
         size += nbytes
     shards.append(shard)
-    weight_map, total = {}, 0
-    try:
+
+    def build(path: Path) -> None:
+        g = torch.Generator().manual_seed(seed)
+        weight_map, total = {}, 0
         for k, shard in enumerate(shards, 1):
             file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
             tensors = {}
@@ -371,18 +367,15 @@ def sharded_random_folder(preset: str = "Llama-2-7B", folder: str | Path | None 
                         0, 0.02, generator=g)
                 weight_map[name] = file
                 total += tensors[name].nbytes
-            save_file(tensors, tmp / file, metadata={"format": "pt"})
+            save_file(tensors, path / file, metadata={"format": "pt"})
             del tensors  # the next shard starts from nothing
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (path / "config.json").write_text(json.dumps(config, indent=2))
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)  # written aside, then renamed: never half a folder
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return folder
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    recipe = {"config": config, "seed": seed, "shard_bytes": shard_bytes,
+              "torch": torch.__version__, "code": source_hash(sharded_random_folder)}
+    return cached_build(f"minillm-sharded-{preset.lower()}", recipe, build, folder)
 
 
 def seven_b_check(device: str | torch.device = "cuda", preset: str = "Llama-2-7B",

@@ -3,6 +3,7 @@
 # %% ../chapters/05_int8.ipynb #c04-export-imports
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import Callable
@@ -13,8 +14,8 @@ import torch.nn.functional as F
 
 # %% auto #0
 __all__ = ['MODES', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'int8_matmul', 'Int8Int8Linear',
-           'fbgemm_missing', 'FbgemmLinear', 'is_quantized', 'bnb_missing', 'bnb_from_linear', 'quantize', 'perplexity',
-           'int8_layers_on_meta']
+           'fbgemm_missing', 'FbgemmLinear', 'is_quantized', 'import_bitsandbytes', 'bnb_missing', 'bnb_from_linear',
+           'quantize', 'perplexity', 'int8_layers_on_meta']
 
 # %% ../chapters/05_int8.ipynb #c11-absmax
 def absmax_quantize(w: torch.Tensor, group_size: int | None = None
@@ -221,10 +222,26 @@ def is_quantized(model: nn.Module) -> bool:
                or type(m).__name__ == "Linear8bitLt" for m in model.modules())
 
 
+def import_bitsandbytes():
+    """bitsandbytes, imported with its import-time log lines below ERROR silenced.
+
+    On some CPUs it logs, as it loads, that an optional kernel package is missing: no
+    error of ours, but Jupyter would print it under the cell. Errors still show.
+    """
+    logger = logging.getLogger("bitsandbytes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    finally:
+        logger.setLevel(level)
+    return bitsandbytes
+
+
 def bnb_missing() -> str | None:
     """Why mode="bnb-int8" cannot run here (None: it can)."""
     try:
-        import bitsandbytes  # noqa: F401
+        import_bitsandbytes()
     except ImportError as e:
         return f"bitsandbytes is not installed (pip install bitsandbytes): {e}"
     return None
@@ -236,8 +253,7 @@ def bnb_from_linear(linear: nn.Linear, threshold: float = 6.0) -> nn.Module:
     Inputs with a feature above `threshold` in magnitude (an outlier feature) are
     multiplied in float16 for that feature; everything else in int8.
     """
-    import bitsandbytes as bnb
-
+    bnb = import_bitsandbytes()
     w = linear.weight.detach()
     layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features,
                                 bias=linear.bias is not None, has_fp16_weights=False,

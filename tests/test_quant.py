@@ -464,3 +464,30 @@ def test_int8_perplexity_is_close_to_float_on_held_out_text(shakespeare):
     w8a16 = perplexity(quantize(copy.deepcopy(shakespeare), "w8a16"), ids, 256)
     w8a8 = perplexity(quantize(copy.deepcopy(shakespeare), "w8a8"), ids, 256)
     assert abs(w8a16 / base - 1) < 0.001 and abs(w8a8 / base - 1) < 0.005
+
+
+FAKE_BNB = '''import logging
+logging.getLogger("bitsandbytes.backends.cpu.ops").warning(
+    "Failed to load CPU gemm_4bit_forward from kernels-community: no kernels")
+logging.getLogger("bitsandbytes.cextension").error("a real error still shows")
+'''
+
+
+def test_bitsandbytes_import_logs_never_reach_the_page(tmp_path):
+    """bitsandbytes 0.50.2 logs a warning as it loads on CPUs with AVX512-BF16 (an
+    optional package is missing); Jupyter printed it under chapter 5's cells. A stand-in
+    package logs the same way at import, under Python's last-resort stderr handler as
+    in a notebook: the warning is dropped, the error shown, and the level restored."""
+    import subprocess
+    import sys
+    (tmp_path / "bitsandbytes").mkdir()
+    (tmp_path / "bitsandbytes" / "__init__.py").write_text(FAKE_BNB)
+    code = ("import logging, minillm.quant as q\n"
+            "q.import_bitsandbytes()\n"
+            "assert logging.getLogger('bitsandbytes').level == logging.NOTSET\n"
+            "assert q.bnb_missing() is None\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "kernels-community" not in result.stderr
+    assert "a real error still shows" in result.stderr
