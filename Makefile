@@ -4,7 +4,6 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
-LAB_STAMP := $(VENV)/.lab-installed
 NBVAL_TIMEOUT ?= 600
 # A CPU-only machine can skip PyTorch's CUDA download (several GB) with PyTorch's CPU index:
 #   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
@@ -16,27 +15,32 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 BOOK_ENV := TQDM_DISABLE=1
 JB      := $(BOOK_ENV) $(VENV)/bin/jupyter-book
 
-.PHONY: help install export clean-notebooks test unit nbval site site-from-nbval browser colab book \
+.PHONY: help install lock sandbox export clean-notebooks test unit nbval site site-from-nbval browser colab book \
 	book-strict lab figures model bench clean setup-cells
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml constraints.txt
+# The environment is requirements.lock, exactly (every distribution, transitive ones
+# included): `make lock` re-resolves it from constraints.txt and pyproject.toml's extras;
+# tests/test_lock.py fails when what is installed differs from it.
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(if $(TORCH_INDEX),$(PIP) install -q -c constraints.txt torch --index-url $(TORCH_INDEX))
-	$(PIP) install -q -c constraints.txt -e ".[book,test]"
+	$(PIP) install -q "$$(grep -m1 '^pip==' requirements.lock)"
+	$(if $(TORCH_INDEX),$(PIP) install -q -c requirements.lock torch --index-url $(TORCH_INDEX))
+	$(PIP) install -q -r requirements.lock
+	$(PIP) install -q --no-deps -e .
+	$(PY) tools/lock.py --sync
+	$(PIP) check
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
-install: $(STAMP)  ## create .venv and install minillm with the book and test extras
+install: $(STAMP)  ## create .venv and install exactly requirements.lock, and minillm itself
 
-$(LAB_STAMP): $(STAMP)
-	$(PIP) install -q -c constraints.txt -e ".[book,test,lab]"
-	touch $(LAB_STAMP)
+lock:  ## re-resolve requirements.lock from constraints.txt and pyproject.toml (then make install)
+	$(PYTHON) tools/lock.py $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
 
-lab: $(LAB_STAMP)  ## open the chapter notebooks in JupyterLab (installs it into .venv once)
+lab: $(STAMP)  ## open the chapter notebooks in JupyterLab
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/chapters \
 	    $(if $(filter 0,$(shell id -u)),--allow-root)
 
@@ -75,7 +79,28 @@ browser: $(STAMP)  ## open every page of the built site (make site or site-from-
 colab: $(STAMP)  ## the Colab path: fresh venv with torch only, the setup cell's install, chapter 0
 	$(PY) -m pytest -q -m colab -p no:randomly tests/test_colab.py
 
-test: unit nbval site-from-nbval browser colab  ## the whole suite (what CI runs); executes each chapter once
+# `make test` runs in a sandbox of its own, emptied first: its temp folder, home and every
+# cache it writes to (Hugging Face, matplotlib, torch.compile, Jupyter, pip) live in
+# $(SANDBOX), so nothing an earlier run left behind can hide a broken path.
+# SANDBOX_PIP_CACHE=shared keeps pip's download cache (content-addressed, so it cannot go
+# stale) for the Colab test's install; the default is empty, like everything else.
+SANDBOX := $(CURDIR)/_build/sandbox
+SANDBOX_DIRS := home tmp cache config data hf mpl inductor triton torch ipython pip
+SANDBOX_PIP_CACHE ?= empty
+SANDBOX_ENV = MINILLM_SANDBOX=$(SANDBOX) HOME=$(SANDBOX)/home TMPDIR=$(SANDBOX)/tmp \
+	XDG_CACHE_HOME=$(SANDBOX)/cache XDG_CONFIG_HOME=$(SANDBOX)/config \
+	XDG_DATA_HOME=$(SANDBOX)/data HF_HOME=$(SANDBOX)/hf MPLCONFIGDIR=$(SANDBOX)/mpl \
+	TORCHINDUCTOR_CACHE_DIR=$(SANDBOX)/inductor TRITON_CACHE_DIR=$(SANDBOX)/triton \
+	TORCH_HOME=$(SANDBOX)/torch IPYTHONDIR=$(SANDBOX)/ipython \
+	JUPYTER_CONFIG_DIR=$(SANDBOX)/config/jupyter JUPYTER_DATA_DIR=$(SANDBOX)/data/jupyter \
+	PIP_CACHE_DIR=$(if $(filter shared,$(SANDBOX_PIP_CACHE)),$$($(PIP) cache dir),$(SANDBOX)/pip)
+
+sandbox:
+	rm -rf $(SANDBOX)
+	mkdir -p $(addprefix $(SANDBOX)/,$(SANDBOX_DIRS))
+
+test: $(STAMP) sandbox  ## the whole suite (what CI runs), in an emptied sandbox; executes each chapter once
+	$(SANDBOX_ENV) $(MAKE) --no-print-directory unit nbval site-from-nbval browser colab
 	@echo "make test: all green"
 
 book: export  ## build the website with every chapter executed
