@@ -121,7 +121,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""                         # the output decoded so far
     status: str = WAITING                  # waiting -> running -> finished
-    finish_reason: str | None = None       # "stop", "length" or "abort"
+    finish_reason: str | None = None       # "stop", "length", "abort" or "error"
+    error: str | None = None               # what went wrong, with finish_reason "error"
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -137,24 +138,31 @@ class Sequence:
         if params.stop and not callable(getattr(tokenizer, "decode", None)):
             raise ValueError(f"stop={params.stop} needs a tokenizer with .decode(ids) "
                              f"to read the text; got tokenizer={tokenizer!r:.60}")
+        stops = frozenset(stop_ids(model, params))
+        vocab = getattr(model, "config", model).vocab_size
+        sampleable = vocab - len({t for t in stops if 0 <= t < vocab})
+        if params.min_new_tokens and sampleable == 0:
+            raise ValueError(f"the stop ids (EOS and stop_token_ids) cover all {vocab} "
+                             f"token ids, and min_new_tokens={params.min_new_tokens} "
+                             "forbids stopping: no token could ever be sampled")
         decoder = None if tokenizer is None else text_decoder(tokenizer)
-        seq = cls(str(request_id), ids, params, frozenset(stop_ids(model, params)),
-                  decoder)
+        seq = cls(str(request_id), ids, params, stops, decoder)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         return seq
 
     def append(self, token_id: int, now: float | None = None) -> str:
-        """Add one generated id; apply the stop rules. Returns the new text."""
+        """Add one generated id; apply the stop rules. Returns the new text. If the
+        token cannot be decoded, it raises and the request is as it was."""
         if self.status == FINISHED:
             raise RuntimeError(f"request {self.request_id} has finished "
                                f"({self.finish_reason}); it takes no more tokens")
         now = time.perf_counter() if now is None else now
+        delta = self.decoder.push(token_id) if self.decoder is not None else ""
         self.output_ids.append(token_id)
         self.token_times.append(now)
         if self.first_token_time is None:
             self.first_token_time = now
-        delta = self.decoder.push(token_id) if self.decoder is not None else ""
         self.text += delta
         if self._may_stop() and (token_id in self.stop_ids
                                  or self._stop_string_in(delta)):
@@ -184,6 +192,14 @@ class Sequence:
         self.status, self.finish_reason = FINISHED, reason
         self.finish_time = time.perf_counter() if now is None else now
         return rest
+
+    def fail(self, message: str, now: float | None = None) -> str:
+        """End the request because of its own error (finish_reason "error"); the
+        message says what went wrong. Its text so far stays; no more comes."""
+        self.error = message
+        self.status, self.finish_reason = FINISHED, "error"
+        self.finish_time = time.perf_counter() if now is None else now
+        return ""
 
     @property
     def is_finished(self) -> bool:

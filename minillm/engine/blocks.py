@@ -3,6 +3,8 @@
 # %% ../../chapters/06_paged_attention.ipynb #c20-blocks
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 
 
@@ -20,10 +22,12 @@ class BlockManager:
 
     The pool has `num_blocks` blocks of `block_size` tokens. Each request owns a block
     table (its blocks in order); a block is free or referenced by one or more tables
-    (a shared prefix). With prefix caching, a full block is named by a hash of its
-    tokens chained with the previous block's hash; a new request whose tokens start
-    with cached blocks shares them instead of computing them again. A freed block keeps
-    its contents and its hash until the least recently freed block is reused.
+    (a shared prefix). With prefix caching, a full block is named by a SHA-256 hash of
+    its tokens chained with the previous block's hash (a content hash, as vLLM's); a
+    new request whose tokens start with cached blocks shares them instead of computing
+    them again, after checking that the block holds exactly those tokens. A freed
+    block keeps its contents and its hash until the least recently freed block is
+    reused. `reset_prefix_cache()` forgets every name (the model changed).
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16,
@@ -35,11 +39,13 @@ class BlockManager:
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.ref_count = [0] * num_blocks
         self.free_blocks = OrderedDict.fromkeys(range(num_blocks))  # in LRU order
-        self.hash_of: list[int | None] = [None] * num_blocks   # a full block's name
-        self.cached: dict[int, int] = {}         # hash -> block that holds those tokens
+        self.hash_of: list[bytes | None] = [None] * num_blocks  # a full block's name
+        self.key_of: dict[int, tuple] = {}       # block -> (previous hash, its tokens)
+        self.cached: dict[bytes, int] = {}       # hash -> block that holds those tokens
         self.tables: dict[str, list[int]] = {}   # request id -> its blocks, in order
         self.computed: dict[str, int] = {}       # request id -> tokens found in cache
-        self.pending: dict[str, list[tuple[int, int]]] = {}  # (block, hash) to publish
+        self.pending: dict[str, list[tuple]] = {}  # (block, hash, key) to publish
+        self.unpublished: set[str] = set()       # computed before a reset: never shared
         self.hits = self.queries = 0             # prefix-cache statistics, in blocks
 
     # --- sizes ---
@@ -51,28 +57,46 @@ class BlockManager:
         return -(-num_tokens // self.block_size)  # ceil
 
     # --- prefix hashes ---
-    def block_hashes(self, token_ids: list[int]) -> list[int]:
-        """One hash per *full* block: of its tokens and the previous block's hash."""
-        hashes, prev, bs = [], None, self.block_size
+    def block_keys(self, token_ids: list[int]) -> list[tuple[bytes, tuple]]:
+        """(hash, key) per *full* block: key = (the previous block's hash, its token
+        ids), hash = SHA-256 of the key. Equal hashes mean equal prefixes."""
+        out, prev, bs = [], b"", self.block_size
         for start in range(0, len(token_ids) - bs + 1, bs):
-            prev = hash((prev, tuple(token_ids[start:start + bs])))
-            hashes.append(prev)
-        return hashes
+            tokens = tuple(token_ids[start:start + bs])
+            h = hashlib.sha256(prev + struct.pack(f"<{bs}q", *tokens)).digest()
+            out.append((h, (prev, tokens)))
+            prev = h
+        return out
+
+    def block_hashes(self, token_ids: list[int]) -> list[bytes]:
+        """One hash per *full* block: of its tokens and the previous block's hash."""
+        return [h for h, _ in self.block_keys(token_ids)]
 
     def cached_prefix(self, token_ids: list[int]) -> list[int]:
         """The cached blocks this token list starts with. The last token is always
         left to compute (its logits give the next token), so at most
-        (len - 1) // block_size blocks."""
+        (len - 1) // block_size blocks. A hit counts only if the block's key (the
+        previous hash and the tokens) is the one asked for."""
         if not self.enable_prefix_caching:
             return []
         found = []
         usable = (len(token_ids) - 1) // self.block_size
-        for h in self.block_hashes(token_ids)[:usable]:
+        for h, key in self.block_keys(token_ids)[:usable]:
             block = self.cached.get(h)
-            if block is None:
+            if block is None or self.key_of.get(block) != key:
                 break
             found.append(block)
         return found
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (vLLM's name): call it when the model's weights
+        change, so that no request reuses K/V that the old weights computed. Blocks
+        in use stay with their requests, which never share what they computed."""
+        self.cached.clear()
+        self.key_of.clear()
+        self.hash_of = [None] * self.num_blocks
+        self.pending = {}
+        self.unpublished = set(self.tables)
 
     # --- the scheduler's questions ---
     def can_allocate(self, token_ids: list[int]) -> bool:
@@ -94,18 +118,18 @@ class BlockManager:
         for block in shared:
             self._take(block)
             table.append(block)
-        hashes = self.block_hashes(token_ids)
+        keys = self.block_keys(token_ids)
         pending = []
         for i in range(len(shared), self.blocks_for(len(token_ids))):
             block = self._take(self._evict())
             table.append(block)
-            if i < len(hashes):  # a full block: name it once its K/V is written
-                pending.append((block, hashes[i]))
+            if i < len(keys):  # a full block: name it once its K/V is written
+                pending.append((block, *keys[i]))
         self.tables[request_id] = table
         self.pending[request_id] = pending
         self.computed[request_id] = len(shared) * self.block_size
         if self.enable_prefix_caching:
-            self.queries += len(hashes)
+            self.queries += len(keys)
             self.hits += len(shared)
         return self.computed[request_id]
 
@@ -120,17 +144,19 @@ class BlockManager:
         table, n = self.tables[request_id], len(token_ids)
         if self.blocks_for(n) > len(table):
             table.append(self._take(self._evict()))
-        if self.enable_prefix_caching and n % self.block_size == 0:  # fills a block
-            h = self.block_hashes(token_ids)[-1]
-            self.pending.setdefault(request_id, []).append((table[-1], h))
+        if (self.enable_prefix_caching and n % self.block_size == 0  # fills a block
+                and request_id not in self.unpublished):
+            h, key = self.block_keys(token_ids)[-1]
+            self.pending.setdefault(request_id, []).append((table[-1], h, key))
 
     def publish(self) -> None:
         """The last forward wrote its K/V: its full blocks may now be shared."""
-        for pairs in self.pending.values():
-            for block, h in pairs:
+        for entries in self.pending.values():
+            for block, h, key in entries:
                 if h not in self.cached:
                     self.cached[h] = block
                     self.hash_of[block] = h
+                    self.key_of[block] = key
         self.pending = {}
 
     def free(self, request_id: str) -> None:
@@ -142,6 +168,7 @@ class BlockManager:
                 self.free_blocks[block] = None  # the most recently freed: reused last
         self.computed.pop(request_id, None)
         self.pending.pop(request_id, None)  # never written: do not publish
+        self.unpublished.discard(request_id)
 
     # --- internals ---
     def _evict(self) -> int:
@@ -151,6 +178,7 @@ class BlockManager:
         if h is not None and self.cached.get(h) == block:
             del self.cached[h]
         self.hash_of[block] = None
+        self.key_of.pop(block, None)
         return block
 
     def _take(self, block: int) -> int:

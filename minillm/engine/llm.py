@@ -7,7 +7,6 @@ import itertools
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -25,7 +24,8 @@ class RequestOutput:
     new_token_ids: list[int]
     text: str                      # the new text (a delta; '' without a tokenizer)
     finished: bool
-    finish_reason: str | None      # "stop", "length", "abort" once finished
+    finish_reason: str | None      # "stop", "length", "abort", "error" once finished
+    error: str | None = None       # with finish_reason "error": what went wrong
 
 
 @dataclass
@@ -43,9 +43,18 @@ class StepRecord:
     kv_capacity: int               # positions of the whole KV memory
 
 # %% auto #0
-__all__ = ['RequestOutput', 'StepRecord', 'LLMEngine', 'CompletionOutput', 'request_metrics', 'LLM']
+__all__ = ['RequestOutput', 'StepRecord', 'weights_version', 'LLMEngine', 'CompletionOutput', 'request_metrics', 'LLM',
+           'RequestError', 'TextStream']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43-engine
+def weights_version(model: torch.nn.Module) -> tuple:
+    """Changes when a weight of `model` is replaced (quantize) or changed in place under
+    no_grad (load_state_dict, an edit): K/V cached before that are stale. (An edit
+    through `.data` is not seen: call reset_prefix_cache() after one.)"""
+    return tuple((id(t), t.data_ptr(), t._version)
+                 for t in itertools.chain(model.parameters(), model.buffers()))
+
+
 class LLMEngine:
     """Serve many requests at once: add_request, then step() until has_unfinished()
     is False. Each step runs one forward for every running request."""
@@ -90,6 +99,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}  # every request not yet collected
         self.history: list[StepRecord] = []
         self._ids = itertools.count()
+        self._weights = weights_version(model)  # what the cached K/V were made with
         if cuda_graphs:  # Chapter 7: decode steps replay CUDA graphs
             from minillm.engine.graphs import enable_cuda_graphs
             enable_cuda_graphs(self)
@@ -129,6 +139,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, append one token to every running request."""
+        if self.kv.prefix_caching:  # Chapter 6: K/V of the old weights are no use
+            version = weights_version(self.model)
+            if version != self._weights:
+                self.reset_prefix_cache()
+                self._weights = version
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -140,13 +155,19 @@ class LLMEngine:
             raise
         now = time.perf_counter()
         outputs, useful = [], 0
-        for seq, token in zip(batch.seqs, new_ids):
+        for seq, token in zip(batch.seqs, new_ids):  # every row gets its result
             if seq.is_finished:
                 continue  # a padding row of static batching
             useful += 1
-            text = seq.append(token, now)
-            outputs.append(RequestOutput(seq.request_id, [token], text,
-                                         seq.is_finished, seq.finish_reason))
+            try:
+                if isinstance(token, Exception):
+                    raise token  # its row could not be sampled
+                text = seq.append(token, now)
+            except Exception as e:  # this request's own failure: it ends, others go on
+                text = seq.fail(f"{type(e).__name__}: {e}", now)
+            new = [] if seq.finish_reason == "error" else [token]
+            outputs.append(RequestOutput(seq.request_id, new, text, seq.is_finished,
+                                         seq.finish_reason, seq.error))
             if seq.is_finished:
                 self._finished(seq)
         self._record(batch, start, now, useful)
@@ -154,6 +175,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now and free its memory. Unknown ids raise KeyError."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r:.60}: request ids are strings")
         seq = self.requests.get(request_id)
         if seq is None:
             raise KeyError(f"no request {request_id!r} (known: "
@@ -163,6 +186,14 @@ class LLMEngine:
             self._finished(seq)
             return RequestOutput(request_id, [], text, True, "abort")
         return RequestOutput(request_id, [], "", True, seq.finish_reason)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's name); False if this KV memory keeps none.
+        The engine also does it by itself when the model's weights change."""
+        if not self.kv.prefix_caching:
+            return False
+        self.kv.reset_prefix_cache()
+        return True
 
     def _finished(self, seq: Sequence) -> None:
         self.scheduler.finished(seq)
@@ -200,6 +231,7 @@ class CompletionOutput:
     text: str
     finish_reason: str
     metrics: dict = field(default_factory=dict)  # seconds: ttft, e2e, tpot
+    error: str | None = None       # with finish_reason "error": what went wrong
 
 
 def request_metrics(seq: Sequence) -> dict:
@@ -272,12 +304,14 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[CompletionOutput]:
         from tqdm.auto import tqdm
         engine = self.engine
+        todo = set(ids)  # until these finish; other requests (streams) go along
         bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm)
         try:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    if out.finished:
-                        bar.update(1)
+            while todo:
+                engine.step()
+                done = {rid for rid in todo if engine.requests[rid].is_finished}
+                bar.update(len(done))
+                todo -= done
         except BaseException:  # an error or Ctrl-C: nothing stays queued or allocated
             for rid in ids:
                 engine.abort(rid)
@@ -287,19 +321,60 @@ class LLM:
             bar.close()
         done = [engine.pop(rid) for rid in ids]
         return [CompletionOutput(s.request_id, s.prompt_ids, s.output_ids, s.text,
-                                 s.finish_reason, request_metrics(s)) for s in done]
+                                 s.finish_reason, request_metrics(s), s.error)
+                for s in done]
 
-    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Generate one request and yield its text as it grows."""
-        engine = self.engine
-        rid = engine.add_request(prompt, params)
+    def stream(self, prompt, params: SamplingParams | None = None) -> "TextStream":
+        """Queue one request now (a bad one raises here) and iterate over its text as
+        it grows. Whoever steps the engine (another stream, generate), the stream
+        yields every piece of its own text, in order."""
+        return TextStream(self.engine, self.engine.add_request(prompt, params))
+
+
+class RequestError(RuntimeError):
+    """A request ended with finish_reason "error" (its own failure)."""
+
+
+class TextStream:
+    """The text of one request as it grows: iterate over it, or close() it early
+    (also on garbage collection) to abort the request and free its memory."""
+
+    def __init__(self, engine: LLMEngine, request_id: str):
+        self.engine, self.request_id, self.sent = engine, request_id, 0
+        self.closed = False
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        while not self.closed:
+            seq = self.engine.requests[self.request_id]
+            if len(seq.text) > self.sent:  # text that any step produced for us
+                delta, self.sent = seq.text[self.sent:], len(seq.text)
+                return delta
+            if seq.is_finished:
+                self.close()
+                if seq.finish_reason == "error":
+                    raise RequestError(f"request {self.request_id}: {seq.error}")
+                break
+            try:
+                self.engine.step()
+            except BaseException:
+                self.close()
+                raise
+        raise StopIteration
+
+    def close(self) -> None:
+        """Abort the request (if it still runs) and forget it. Safe to call twice."""
+        if not self.closed:
+            self.closed = True
+            if self.request_id in self.engine.requests:
+                self.engine.abort(self.request_id)
+                self.engine.pop(self.request_id)
+
+    def __del__(self):
         try:
-            while True:
-                for out in engine.step():
-                    if out.request_id == rid and out.text:
-                        yield out.text
-                if engine.requests[rid].is_finished:
-                    return
-        finally:  # also when the caller stops early: abort frees the row
-            engine.abort(rid)
-            engine.pop(rid)
+            self.close()
+        except Exception:
+            pass  # at interpreter exit the engine may be gone already
+

@@ -97,6 +97,13 @@ class PagedKVCache(KVCache):
     def free(self, seq: Sequence) -> None:
         self.blocks.free(seq.request_id)
 
+    @property
+    def prefix_caching(self) -> bool:
+        return self.blocks.enable_prefix_caching
+
+    def reset_prefix_cache(self) -> None:
+        self.blocks.reset_prefix_cache()
+
     def num_computed(self, seq: Sequence) -> int:
         """Tokens of the request whose K/V were found in the prefix cache."""
         return self.blocks.computed.get(seq.request_id, 0)

@@ -70,8 +70,10 @@ class ModelRunner:
         logits = self.model(input_ids, meta.positions, kv=self.kv, meta=meta)[:, -1]
         return self.sample(seqs, logits)
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """One token per row of logits [B, vocab], with each request's params."""
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:
+        """One token per row of logits [B, vocab], with each request's params. A row
+        that cannot be sampled gets the ValueError that says why, in its place: its
+        request ends with that error, the others keep their tokens."""
         logits = block_early_stop(logits, seqs)  # min_new_tokens
         params = [s.params for s in seqs]
         generators = [self.generators.get(s.request_id) for s in seqs]
@@ -80,7 +82,18 @@ class ModelRunner:
             none = torch.empty(0, dtype=torch.long, device=self.device)
             history = [torch.tensor(s.prompt_ids + s.output_ids, device=self.device)
                        if s.params.repetition_penalty != 1.0 else none for s in seqs]
-        return sample(logits, params, generators, prev_ids=history).tolist()
+        try:
+            return sample(logits, params, generators, prev_ids=history).tolist()
+        except ValueError:  # find the rows that fail: each on its own
+            out = []
+            for i in range(len(seqs)):
+                try:
+                    out += sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1],
+                                  prev_ids=None if history is None
+                                  else history[i:i + 1]).tolist()
+                except ValueError as e:
+                    out.append(type(e)(f"request {seqs[i].request_id!r}: {e}"))
+            return out
 
 # %% auto #0
 __all__ = ['ModelRunner']

@@ -18,6 +18,8 @@ class SlotKVCache(KVCache):
     The storage and `attend` are chapter 3's; this class adds the memory interface the
     scheduler uses: can_allocate, allocate, can_append, append_slot, free, num_free."""
 
+    prefix_caching = False  # a slot is its request's alone: nothing to share
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  max_seq_len: int, max_num_seqs: int,
                  dtype: torch.dtype = torch.float32,
