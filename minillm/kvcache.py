@@ -14,8 +14,8 @@ from .sampling import SamplingParams, make_generator, sample
 from .sequence import Sequence, block_early_stop
 
 # %% auto #0
-__all__ = ['watch_input_lengths', 'free_memory_bytes', 'causal_mask', 'cached_attention', 'KVCache', 'check_cache',
-           'generate_tokens', 'generate', 'stream']
+__all__ = ['watch_input_lengths', 'free_memory_bytes', 'causal_mask', 'cached_attention', 'KVMemoryError', 'check_kv_fits',
+           'KVCache', 'check_cache', 'generate_tokens', 'generate', 'stream']
 
 # %% ../chapters/03_kv_cache.ipynb #c009
 @contextmanager
@@ -81,6 +81,20 @@ def cached_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                                           enable_gqa=q.shape[1] != k_all.shape[1])
 
 # %% ../chapters/03_kv_cache.ipynb #c018
+class KVMemoryError(ValueError):
+    """The KV memory asked for is more than the device has free (checked before
+    anything is allocated)."""
+
+
+def check_kv_fits(need: int, device: torch.device, asked: str, fix: str) -> None:
+    """Refuse `need` bytes of K/V beyond the device's free memory; the message names
+    what the caller asked for (`asked`) and what to change (`fix`)."""
+    free = free_memory_bytes(device)
+    if free is not None and need > free:
+        raise KVMemoryError(f"{asked} needs {need / 2**30:,.2f} GiB; {device} has "
+                            f"{free / 2**30:,.2f} GiB free: {fix}")
+
+
 class KVCache:
     """Keys and values of every token seen so far, in buffers allocated once.
 
@@ -108,12 +122,9 @@ class KVCache:
             raise ValueError(f"device={device!r} is not a torch device ({e})") from None
         slots = batch_size * max_seq_len + 1  # + the spare slot for padding
         need = 2 * num_layers * slots * num_kv_heads * head_dim * dtype.itemsize
-        free = free_memory_bytes(device)
-        if free is not None and need > free:
-            raise ValueError(f"a KV cache of {batch_size} x {max_seq_len} positions x "
-                             f"{num_layers} layers needs {need / 2**30:.2f} GiB; "
-                             f"{device} has {free / 2**30:.2f} GiB free: use a "
-                             "smaller max_seq_len or batch_size")
+        check_kv_fits(need, device, f"a KV cache of batch_size={batch_size} x "
+                      f"max_seq_len={max_seq_len} positions x {num_layers} layers",
+                      "use a smaller max_seq_len or batch_size")
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
         self.pad_slot = slots - 1  # padding tokens write here; nobody reads it
         shape = (slots, num_kv_heads, head_dim)

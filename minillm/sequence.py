@@ -3,6 +3,7 @@
 # %% ../chapters/02_naive_loop.ipynb #c049
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -148,7 +149,14 @@ class Sequence:
         decoder = None if tokenizer is None else text_decoder(tokenizer)
         seq = cls(str(request_id), ids, params, stops, decoder)
         if arrival_time is not None:
-            seq.arrival_time = arrival_time
+            now = time.perf_counter()
+            real = (isinstance(arrival_time, numbers.Real)
+                    and not isinstance(arrival_time, bool))
+            if not real or not math.isfinite(arrival_time) or arrival_time > now:
+                raise ValueError(f"arrival_time={arrival_time!r:.40}: give a reading "
+                                 "of time.perf_counter(), not in the future "
+                                 f"(now: {now:.3f})")
+            seq.arrival_time = float(arrival_time)
         return seq
 
     def append(self, token_id: int, now: float | None = None) -> str:

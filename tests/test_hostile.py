@@ -304,3 +304,51 @@ def test_interleaved_streams_generates_aborts_and_poison(bundled, solo, actions)
         assert s[3] == solo(s[1], s[2])
     assert all(r.tokens <= budget for r in engine.history)
     free_everything(engine)
+
+
+# --- 4 and 5: every argument checked, in the caller's words, before any work ---
+
+def test_huge_kv_pools_are_refused_before_anything_is_allocated(bundled):
+    model, tok = bundled
+    cases = [(dict(kv_cache="paged", num_blocks=10**12), r"num_blocks=10{12}"),
+             (dict(kv_cache="paged", kv_cache_bytes=10**15), r"kv_cache_bytes=10{15}"),
+             (dict(kv_cache="slots", max_num_seqs=10**9), r"max_num_seqs=10{9} slots"),
+             (dict(kv_cache="paged", max_num_seqs=10**9), r"max_num_seqs=10{9} x")]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match) as e:  # 10{12}: 1 and 12 zeros
+            LLMEngine(model, tok, **kwargs)
+        assert "GiB free" in str(e.value)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m, t: LLMEngine("not a model"), "not a minillm Transformer"),
+    (lambda m, t: LLMEngine(m, object()), "lacks encode"),
+    (lambda m, t: LLM(m, t, dtype=torch.float16), "apply when LLM loads a folder"),
+    (lambda m, t: LLM(m, t, device="cpu"), "apply when LLM loads a folder"),
+    (lambda m, t: LLM(m, t, quantization="int8"), "apply when LLM loads a folder"),
+    (lambda m, t: LLM(m, t, enable_prefix_caching="no"), "enable_prefix_caching='no'"),
+    (lambda m, t: LLM(m, t).generate({"a": 1}, use_tqdm=False), "prompts="),
+    (lambda m, t: LLM(m, t).generate(None), "prompts=None"),
+    (lambda m, t: LLM(m, t).generate("ROMEO:", use_tqdm="no"), "use_tqdm='no'"),
+    (lambda m, t: LLMEngine(m, t).add_request("ROMEO:", arrival_time="yesterday"),
+     "arrival_time='yesterday'"),
+    (lambda m, t: LLMEngine(m, t).add_request("ROMEO:", arrival_time=1e18),
+     "not in the future"),
+])
+def test_bad_arguments_get_a_clear_error(bundled, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(*bundled)
+
+
+def test_graph_buckets_must_be_ints(bundled):
+    from minillm.engine.graphs import enable_cuda_graphs
+    engine = LLMEngine(*bundled, kv_cache="slots")
+    with pytest.raises(ValueError, match=r"buckets=\[1.5\]"):
+        enable_cuda_graphs(engine, buckets=[1.5])
+
+
+def test_llm_loads_a_folder_in_int8(bundled):
+    llm = LLM(str(SHAKESPEARE), quantization="int8")
+    from minillm.quant import is_quantized
+    assert is_quantized(llm.engine.model)
+    assert llm.generate("ROMEO:\n", greedy(5), use_tqdm=False)[0].token_ids

@@ -36,7 +36,10 @@ class BlockManager:
                 or num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks!r}: must be an int >= 1")
         self.num_blocks, self.block_size = num_blocks, check_block_size(block_size)
-        self.enable_prefix_caching = bool(enable_prefix_caching)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: "
+                             "must be True or False")
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.free_blocks = OrderedDict.fromkeys(range(num_blocks))  # in LRU order
         self.hash_of: list[bytes | None] = [None] * num_blocks  # a full block's name

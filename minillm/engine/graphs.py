@@ -33,7 +33,8 @@ class GraphRunner:
         self.runner, self.kv, self.model = runner, runner.kv, runner.model
         self.device = runner.device
         for name, xs in [("buckets", buckets), ("spans", spans)]:
-            if not xs or sorted(set(xs)) != list(xs) or xs[0] < 1:
+            ints = all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
+            if not xs or not ints or sorted(set(xs)) != list(xs) or xs[0] < 1:
                 raise ValueError(f"{name}={xs!r}: give increasing ints >= 1")
         self.buckets, self.spans = list(buckets), list(spans)
         self.block_size = getattr(self.kv, "block_size", None)  # None: slots

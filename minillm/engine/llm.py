@@ -63,6 +63,15 @@ class LLMEngine:
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, policy: str = "continuous",
                  kv_cache: str | None = None, cuda_graphs: bool = False, **paged):
+        from minillm.model import Transformer
+        if not isinstance(model, Transformer):
+            raise ValueError(f"model={model!r:.60} is not a minillm Transformer: load "
+                             "one with minillm.model.load_model(path), or give LLM a "
+                             "folder")
+        methods = [callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")]
+        if tokenizer is not None and not all(methods):
+            raise ValueError(f"tokenizer={tokenizer!r:.60} lacks encode() or decode(); "
+                             "give a minillm Tokenizer, a transformers one, or None")
         context = model.config.context_length
         max_model_len = context if max_model_len is None else max_model_len
         max_num_batched_tokens = (max(2048, max_model_len)
@@ -245,6 +254,16 @@ def request_metrics(seq: Sequence) -> dict:
                 prompt_tokens=len(seq.prompt_ids), output_tokens=n)
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45b-llm
+def _prompt_list(prompts) -> list:
+    """One prompt (text or token ids) or a list/tuple of them, as a list of prompts."""
+    if _is_one_prompt(prompts):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts={prompts!r:.60}: give a prompt (text or token ids) "
+                         "or a list of prompts")
+    return list(prompts)
+
+
 def _is_one_prompt(prompts) -> bool:
     """Text, or token ids (a list of ints, a 1-D tensor or array): one prompt."""
     if isinstance(prompts, str):
@@ -262,15 +281,22 @@ class LLM:
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, dtype=None, device=None,
-                 policy: str = "continuous", kv_cache: str | None = None,
-                 cuda_graphs: bool = False, **paged):
+                 quantization: str | None = None, policy: str = "continuous",
+                 kv_cache: str | None = None, cuda_graphs: bool = False, **paged):
         if not isinstance(model, torch.nn.Module):  # a folder or a Hub name
             from minillm.model import load_model
             from minillm.tokenizer import Tokenizer
             path = model
-            model = load_model(path, dtype=dtype, device=device)
+            model = load_model(path, dtype=dtype, device=device,
+                               quantization=quantization)
             if tokenizer is None:
                 tokenizer = Tokenizer.from_pretrained(path)
+        else:
+            given = {k: v for k, v in [("dtype", dtype), ("device", device),
+                                       ("quantization", quantization)] if v is not None}
+            if given:
+                raise ValueError(f"{given} apply when LLM loads a folder; this model "
+                                 "is loaded already: use model.to(...) or quantize()")
         self.engine = LLMEngine(model, tokenizer, max_num_seqs, max_num_batched_tokens,
                                 max_model_len, policy, kv_cache, cuda_graphs,
                                 **paged)
@@ -279,9 +305,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[CompletionOutput]:
         """prompts: one prompt or a list (text or token ids); params: one for all or
         one per prompt. Returns the outputs in the order of the prompts."""
-        if _is_one_prompt(prompts):
-            prompts = [prompts]
-        prompts = list(prompts)
+        if not isinstance(use_tqdm, bool):
+            raise ValueError(f"use_tqdm={use_tqdm!r}: must be True or False")
+        prompts = _prompt_list(prompts)
         if not prompts:
             raise ValueError("prompts is empty; give at least one prompt")
         if isinstance(params, (list, tuple)):

@@ -8,7 +8,7 @@ import torch
 from .blocks import BlockManager, check_block_size
 from .runner import ModelRunner
 from .scheduler import Batch, Scheduler
-from ..kvcache import KVCache
+from ..kvcache import KVCache, KVMemoryError, check_kv_fits
 from ..model import StepMeta
 from ..sequence import RUNNING, WAITING, Sequence
 
@@ -31,9 +31,9 @@ class PagedKVCache(KVCache):
                  device: str | torch.device = "cpu",
                  enable_prefix_caching: bool = True):
         check_block_size(block_size)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         super().__init__(num_layers, num_kv_heads, head_dim, max_seq_len=block_size,
                          batch_size=num_blocks, dtype=dtype, device=device)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size, self.num_blocks = block_size, num_blocks
 
     @staticmethod
@@ -60,6 +60,14 @@ class PagedKVCache(KVCache):
                 raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block: "
                                  f"one block of {block_size} tokens needs {per_block} "
                                  "bytes")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) \
+                or num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks!r}: must be an int >= 1")
+        asked = (f"num_blocks={num_blocks}" if kv_cache_bytes is None
+                 else f"kv_cache_bytes={kv_cache_bytes} ({num_blocks} blocks)")
+        check_kv_fits(num_blocks * cls.block_bytes(c, block_size, w.dtype), w.device,
+                      f"{asked} of {block_size} tokens",
+                      "use fewer blocks (num_blocks or kv_cache_bytes)")
         return cls(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
                    w.dtype, w.device, enable_prefix_caching)
 
@@ -258,7 +266,14 @@ def paged_parts(model, max_num_seqs: int, max_num_batched_tokens: int,
         raise ValueError(f"policy={policy!r}: kv_cache='paged' schedules continuously")
     if num_blocks is None and kv_cache_bytes is None:
         num_blocks = -(-max_num_seqs * max_model_len // check_block_size(block_size))
-    kv = PagedKVCache.from_model(model, num_blocks, kv_cache_bytes, block_size,
-                                 enable_prefix_caching)
+        try:
+            kv = PagedKVCache.from_model(model, num_blocks, None, block_size,
+                                         enable_prefix_caching)
+        except KVMemoryError as e:
+            raise KVMemoryError(f"max_num_seqs={max_num_seqs} x max_model_len="
+                                f"{max_model_len} positions: {e}") from None
+    else:
+        kv = PagedKVCache.from_model(model, num_blocks, kv_cache_bytes, block_size,
+                                     enable_prefix_caching)
     return (kv, PagedScheduler(kv, max_num_seqs, max_num_batched_tokens),
             PagedRunner(model, kv))

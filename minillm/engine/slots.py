@@ -7,7 +7,7 @@ import heapq
 
 import torch
 
-from ..kvcache import KVCache
+from ..kvcache import KVCache, check_kv_fits
 from ..sequence import Sequence
 
 
@@ -34,6 +34,11 @@ class SlotKVCache(KVCache):
                    max_seq_len: int | None = None) -> "SlotKVCache":
         c, w = model.config, model.embed_tokens.weight
         max_seq_len = c.context_length if max_seq_len is None else max_seq_len
+        need = (2 * c.num_layers * (max_num_seqs * max_seq_len + 1) * c.num_kv_heads
+                * c.head_dim * w.dtype.itemsize)
+        check_kv_fits(need, w.device, f"max_num_seqs={max_num_seqs} slots of "
+                      f"max_model_len={max_seq_len} positions",
+                      "use a smaller max_num_seqs or max_model_len")
         return cls(c.num_layers, c.num_kv_heads, c.head_dim, max_seq_len, max_num_seqs,
                    w.dtype, w.device)
 
