@@ -309,6 +309,9 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
                                        or linear.in_features % group_size):
             raise ValueError(f"group_size={group_size!r} does not divide "
                              f"{name}.in_features={linear.in_features}")
+        if not torch.isfinite(linear.weight).all():  # a scale of inf or NaN is no scale
+            raise ValueError(f"{name}.weight holds NaN or inf: quantizing it would hide "
+                             "that; check the checkpoint (torch.isfinite)")
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -326,7 +329,18 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
 def perplexity(model: nn.Module, ids: list[int] | torch.Tensor,
                window: int = 256) -> float:
     """exp(mean negative log-likelihood) of `ids`, read `window` tokens at a time."""
-    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    ids = torch.as_tensor(ids)
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"ids have dtype {ids.dtype}; token ids are integers")
+    ids = ids.long().reshape(-1)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"ids hold {int(ids.min())}..{int(ids.max())}; token ids are "
+                         f"in [0, {vocab})")
+    context = getattr(getattr(model, "config", None), "context_length", None)
+    if context is not None and isinstance(window, int) and window > context:
+        raise ValueError(f"window={window} is longer than the model's context of "
+                         f"{context} positions")
     if ids.numel() < 2 or not isinstance(window, int) or window < 2:
         raise ValueError(f"need at least 2 token ids and window >= 2; got "
                          f"{ids.numel()} ids, window={window!r}")

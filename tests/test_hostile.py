@@ -352,3 +352,61 @@ def test_llm_loads_a_folder_in_int8(bundled):
     from minillm.quant import is_quantized
     assert is_quantized(llm.engine.model)
     assert llm.generate("ROMEO:\n", greedy(5), use_tqdm=False)[0].token_ids
+
+
+# --- 6. records ---
+
+def test_step_records_count_what_the_forward_computed(bundled):
+    model, tok = bundled
+    engine = LLMEngine(model, tok, kv_cache="paged", block_size=8, num_blocks=64)
+    system = list(range(40, 80))  # 40 tokens: 5 full blocks
+    engine.add_request(system + [5, 6, 7], greedy(2))
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request(system + [9, 9], greedy(2))  # its first 40 tokens are cached
+    engine.step()
+    record = engine.history[-1]
+    assert record.is_prefill and record.useful_tokens == 2 and record.tokens == 2
+    engine.add_request([1, 2, 3], greedy(2))
+    engine.add_request(list(range(100, 110)), greedy(2))
+    engine.step()  # the two new ones are admitted before the next decode
+    record = engine.history[-1]
+    assert record.is_prefill and record.rows == 2
+    assert record.useful_tokens == 13 and record.tokens == 2 * 10  # right-padded
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_history_stays_bounded(bundled, monkeypatch):
+    model, tok = bundled
+    engine = LLMEngine(model, tok)
+    monkeypatch.setattr(LLMEngine, "MAX_HISTORY", 8)
+    engine.add_request("ROMEO:\n", greedy(30))
+    while engine.has_unfinished():
+        engine.step()
+    assert 4 <= len(engine.history) <= 8
+    assert engine.history[-1].end >= engine.history[0].end
+
+
+# --- 5 (INT8): NaN weights and bad ids are refused ---
+
+def test_quantize_refuses_nan_or_inf_weights_and_changes_nothing(bundled):
+    model = copy.deepcopy(bundled[0])
+    with torch.no_grad():
+        model.layers[1].mlp.up_proj.weight[3, 7] = float("nan")
+    for mode in ("w8a16", "w8a8", "fbgemm"):
+        with pytest.raises(ValueError, match=r"layers.1.mlp.up_proj.weight holds NaN"):
+            quantize(model, mode)
+        assert type(model.layers[0].mlp.up_proj) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("ids, window, match", [
+    ([1.5, 2.0, 3.0], 8, "dtype torch.float"),
+    ([1, 2, 10**6], 8, r"token ids are in \[0, 4096\)"),
+    ([1, -2, 3], 8, r"token ids are in"),
+    ([1, 2, 3], 10**6, "longer than the model's context"),
+])
+def test_perplexity_refuses_what_is_not_token_ids(bundled, ids, window, match):
+    from minillm.quant import perplexity
+    with pytest.raises(ValueError, match=match):
+        perplexity(bundled[0], ids, window)

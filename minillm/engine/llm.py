@@ -218,15 +218,20 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} has not finished")
         return self.requests.pop(request_id)
 
+    MAX_HISTORY = 100_000  # steps kept in engine.history (the oldest half goes)
+
     def _record(self, batch, start: float, end: float, useful: int) -> None:
         seqs = batch.seqs
-        T = max(len(s.prompt_ids) for s in seqs) if batch.is_prefill else 1
-        useful_tokens = (sum(len(s.prompt_ids) for s in seqs) if batch.is_prefill
-                         else useful)
+        if batch.is_prefill:  # what the runner computed: cached tokens are skipped
+            tokens, useful_tokens = self.runner.last_tokens
+        else:
+            tokens, useful_tokens = len(seqs), useful
         running = self.scheduler.running
         reserved, capacity = self.kv.usage()
+        if len(self.history) >= self.MAX_HISTORY:  # a long-lived engine stays bounded
+            del self.history[:self.MAX_HISTORY // 2]
         self.history.append(StepRecord(
-            start, end, batch.is_prefill, len(seqs), useful, len(seqs) * T,
+            start, end, batch.is_prefill, len(seqs), useful, tokens,
             useful_tokens, kv_tokens=sum(s.num_tokens for s in running),
             kv_reserved=reserved, kv_capacity=capacity))
 

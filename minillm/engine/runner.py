@@ -67,6 +67,10 @@ class ModelRunner:
         """One forward for the whole batch; returns one new token id per row."""
         prepare = self.prepare_prefill if is_prefill else self.prepare_decode
         input_ids, meta = prepare(seqs)
+        # what the forward computes: (tokens with padding, tokens of the requests);
+        # a prefill row computes up to its logits position (its uncached tokens)
+        self.last_tokens = (input_ids.numel(), len(seqs) + int(meta.logits_index.sum())
+                            if is_prefill else len(seqs))
         logits = self.model(input_ids, meta.positions, kv=self.kv, meta=meta)[:, -1]
         return self.sample(seqs, logits)
 
