@@ -38,7 +38,8 @@ __all__ = ['MODELS', 'BUILD_STAMP', 'DEFAULT_OUT', 'hardware_name', 'StepClock',
            'transformers_method', 'weight_nbytes', 'Measurement', 'memory_kind', 'measure', 'KVBenchmark',
            'random_prompt', 'check_counts', 'check_fits', 'run_kv_benchmark', 'summarise', 'format_table', 'csv_stem',
            'write_csv', 'cached_build', 'source_hash', 'random_model_folder', 'model_folder', 'writable_folder',
-           'add_run_arguments', 'check_run_arguments', 'torch_threads', 'report', 'kv_parser', 'check_kv_args', 'main']
+           'add_run_arguments', 'check_run_arguments', 'usage_errors', 'torch_threads', 'report', 'kv_parser',
+           'check_kv_args', 'main']
 
 # %% ../chapters/03_kv_cache.ipynb #c040
 def hardware_name(device: str | torch.device) -> str:
@@ -484,6 +485,16 @@ def check_run_arguments(args: argparse.Namespace) -> torch.device:
 
 
 @contextmanager
+def usage_errors(parser: argparse.ArgumentParser):
+    """A ValueError that the run itself finds (e.g. a KV pool beyond this machine's
+    memory) ends the command as a usage error (status 2), not a traceback."""
+    try:
+        yield
+    except ValueError as e:
+        parser.error(str(e))
+
+
+@contextmanager
 def torch_threads(threads: int | None):
     """Run the body with `threads` torch CPU threads (None: unchanged), then restore."""
     before = torch.get_num_threads()
@@ -541,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         folder, device = check_kv_args(args)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))  # prints the usage and the message, exits with status 2
-    with torch_threads(args.threads):
+    with torch_threads(args.threads), usage_errors(parser):
         result = run_kv_benchmark(folder, args.new_tokens, args.prompt_tokens,
                                   args.repeats, device)
     result.info["model"] = args.model if args.model in MODELS else folder.resolve().name

@@ -20,10 +20,10 @@ from tqdm.auto import tqdm
 import minillm
 from .bench import (MODELS, add_run_arguments, check_run_arguments, greedy,
                            hardware_name, model_folder, random_prompt, report,
-                           torch_threads)
+                           torch_threads, usage_errors)
 from .bench_quant import write_rows_csv
-from .bench_serving import (Request, check_range, make_workload, next_batch,
-                                   percentile, shakespeare_missing)
+from .bench_serving import (MAX_REQUESTS, Request, check_range, make_workload,
+                                   next_batch, percentile, shakespeare_missing)
 from .engine import LLMEngine
 from .engine.blocks import check_block_size
 from .model import ModelConfig, load_model
@@ -175,6 +175,9 @@ def check_paged_args(model_path, num_requests, kv_positions, max_model_len,
                              ("shared_prefix", shared_prefix, 0), ("seed", seed, 0)]:
         if not is_int(value, low):
             raise ValueError(f"{name}={value!r}: must be an int >= {low}")
+    if num_requests > MAX_REQUESTS:
+        raise ValueError(f"num_requests={num_requests}: at most {MAX_REQUESTS} (the "
+                         "workload is built in memory first)")
     if max_num_seqs is not None and not is_int(max_num_seqs, 1):
         raise ValueError(f"max_num_seqs={max_num_seqs!r}: must be None (as many as "
                          "num_requests) or an int >= 1")
@@ -368,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         folder, device = check_cli_args(args)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))  # prints the usage and the message, exits with status 2
-    with torch_threads(args.threads):
+    with torch_threads(args.threads), usage_errors(parser):
         result = run_paged_benchmark(
             folder, args.requests, args.kv_positions, args.max_model_len,
             args.block_size, tuple(args.methods), tuple(args.prompt_tokens),

@@ -15,7 +15,8 @@ import torch
 
 from .bench import (add_run_arguments, check_run_arguments, greedy,
                            hardware_name, measure, minillm_methods, random_prompt,
-                           report, torch_threads, transformers_method)
+                           report, torch_threads, transformers_method,
+                           usage_errors)
 from .engine import LLMEngine
 from .engine.graphs import compile_parts
 from .memory import PRESETS
@@ -60,8 +61,8 @@ def model_pair(name: str, dtype: torch.dtype, device: torch.device):
     return ours.eval(), hf.eval()
 
 # %% auto #0
-__all__ = ['DTYPES', 'COLUMNS', 'model_pair', 'engine_run', 'loop_run', 'round_robin', 'agreement', 'check_perf_args',
-           'run_perf_benchmark', 'score', 'format_table', 'write_csv', 'main']
+__all__ = ['DTYPES', 'MAX_BATCH', 'COLUMNS', 'model_pair', 'engine_run', 'loop_run', 'round_robin', 'agreement',
+           'check_perf_args', 'run_perf_benchmark', 'score', 'format_table', 'write_csv', 'main']
 
 # %% ../chapters/07_performance.ipynb #c94-bench
 def engine_run(engine, prompt: list[int], n: int, batch: int, device) -> dict:
@@ -114,6 +115,9 @@ def agreement(ids: list[int], reference: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
 
 
+MAX_BATCH = 4096  # rows of one decode step
+
+
 def check_perf_args(model, dtype, prompt_tokens, new_tokens, batches, repeats) -> None:
     """Every argument that needs no model, checked before any work."""
     llamas = sorted(p for p in PRESETS if PRESETS[p]["model_type"] == "llama")
@@ -128,6 +132,8 @@ def check_perf_args(model, dtype, prompt_tokens, new_tokens, batches, repeats) -
     if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
                           for b in batches) or len(set(batches)) != len(batches):
         raise ValueError(f"batches={batches!r}: give different ints >= 1")
+    if max(batches) > MAX_BATCH:
+        raise ValueError(f"batches={batches!r}: at most {MAX_BATCH} requests at once")
 
 # %% ../chapters/07_performance.ipynb #c96-bench
 def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = None,
@@ -263,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         device = check_run_arguments(args)
     except ValueError as e:
         parser.error(str(e))  # prints the usage and the message, exits with status 2
-    with torch_threads(args.threads):
+    with torch_threads(args.threads), usage_errors(parser):
         rows = run_perf_benchmark(args.model, device, args.dtype, args.prompt_tokens,
                                   args.new_tokens, tuple(args.batch), args.repeats,
                                   args.compile)

@@ -29,7 +29,7 @@ import minillm
 from .bench import (MODELS, Method, add_run_arguments, cached_build,
                            check_counts, check_fits, greedy, hardware_name, measure,
                            model_folder, random_prompt, report, source_hash,
-                           torch_threads)
+                           torch_threads, usage_errors)
 from .bench_serving import heldout_ids, shakespeare_missing
 from .kvcache import KVCache, generate
 from .memory import PRESETS
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         folder, device = check_cli_args(args)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))  # prints the usage and the message, exits with status 2
-    with torch_threads(args.threads):
+    with torch_threads(args.threads), usage_errors(parser):
         if args.seven_b:
             check = seven_b_check(device, args.preset)
             table = "\n".join(f"{k:>14}: {v}" for k, v in check.items())

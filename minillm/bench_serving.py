@@ -27,16 +27,17 @@ from tqdm.auto import tqdm
 
 import minillm
 from .bench import (MODELS, StepClock, add_run_arguments, check_run_arguments,
-                           greedy, hardware_name, model_folder, report, torch_threads)
+                           greedy, hardware_name, model_folder, report, torch_threads,
+                           usage_errors)
 from .engine import LLMEngine
 from .kvcache import KVCache, generate_tokens
 from .model import ModelConfig, load_model
 from .utils import pick_device
 
 # %% auto #0
-__all__ = ['HELD_OUT', 'PROMPT_SOURCES', 'METHODS', 'Request', 'play_text', 'heldout_ids', 'shakespeare_missing', 'make_workload',
-           'Served', 'MethodRun', 'wait_until', 'next_batch', 'run_transformers', 'run_one_by_one', 'run_engine',
-           'percentile', 'ServingBenchmark', 'summarise_run', 'check_range', 'check_serving_args',
+__all__ = ['HELD_OUT', 'PROMPT_SOURCES', 'METHODS', 'MAX_REQUESTS', 'Request', 'play_text', 'heldout_ids', 'shakespeare_missing',
+           'make_workload', 'Served', 'MethodRun', 'wait_until', 'next_batch', 'run_transformers', 'run_one_by_one',
+           'run_engine', 'percentile', 'ServingBenchmark', 'summarise_run', 'check_range', 'check_serving_args',
            'run_serving_benchmark', 'serving_info', 'format_serving_table', 'serving_csv_stem', 'write_serving_csv',
            'serving_parser', 'check_cli_args', 'main']
 
@@ -355,6 +356,9 @@ def check_range(name: str, value, low: int) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
+MAX_REQUESTS = 100_000  # per benchmark run
+
+
 def check_serving_args(model_path, num_requests, max_num_seqs, rate, methods, seed,
                        prompt_tokens, output_tokens, prompts, max_num_batched_tokens
                        ) -> tuple[ModelConfig, tuple[str, ...]]:
@@ -365,6 +369,9 @@ def check_serving_args(model_path, num_requests, max_num_seqs, rate, methods, se
                              ("max_num_seqs", max_num_seqs, 1), ("seed", seed, 0)]:
         if not is_int(value, low):
             raise ValueError(f"{name}={value!r}: must be an int >= {low}")
+    if num_requests > MAX_REQUESTS:
+        raise ValueError(f"num_requests={num_requests}: at most {MAX_REQUESTS} (the "
+                         "workload is built in memory first)")
     budget = max_num_batched_tokens
     if budget is not None and not is_int(budget, 1):
         raise ValueError(f"max_num_batched_tokens={budget!r}: must be None (big "
@@ -605,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         folder, device = check_cli_args(args)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))  # prints the usage and the message, exits with status 2
-    with torch_threads(args.threads):
+    with torch_threads(args.threads), usage_errors(parser):
         result = run_serving_benchmark(
             folder, args.requests, args.max_num_seqs, args.rate, tuple(args.methods),
             args.seed, device, prompt_tokens=tuple(args.prompt_tokens),

@@ -310,7 +310,7 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
             raise ValueError(f"group_size={group_size!r} does not divide "
                              f"{name}.in_features={linear.in_features}")
         if not torch.isfinite(linear.weight).all():  # a scale of inf or NaN is no scale
-            raise ValueError(f"{name}.weight holds NaN or inf: quantizing it would hide "
+            raise ValueError(f"{name}.weight holds NaN or inf: quantizing would hide "
                              "that; check the checkpoint (torch.isfinite)")
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
@@ -329,6 +329,8 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
 def perplexity(model: nn.Module, ids: list[int] | torch.Tensor,
                window: int = 256) -> float:
     """exp(mean negative log-likelihood) of `ids`, read `window` tokens at a time."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"ids={ids!r:.30}: give token ids (encode the text first)")
     ids = torch.as_tensor(ids)
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"ids have dtype {ids.dtype}; token ids are integers")

@@ -493,6 +493,21 @@ def _encode(self, text: str, add_special_tokens: bool = True,
 Tokenizer.encode = _encode
 
 # %% ../chapters/01_tokenizer.ipynb #c027
+def _prepend_scheme(step: dict, where: str) -> str:
+    """A Metaspace step's prepend_scheme, read as `tokenizers` reads it. Older files
+    write add_prefix_space instead; a missing scheme means 'always', and
+    add_prefix_space=false goes only with 'never' (`tokenizers` refuses the rest)."""
+    scheme, prefix = step.get("prepend_scheme", "always"), step.get("add_prefix_space")
+    if scheme not in ("always", "first", "never"):
+        raise ValueError(f"{where}.prepend_scheme {scheme!r} is not one of 'always', "
+                         "'first', 'never'")
+    if not isinstance(prefix, (bool, type(None))) or (prefix is False
+                                                      and scheme != "never"):
+        raise ValueError(f"{where} Metaspace: add_prefix_space={prefix!r} does not go "
+                         f"with prepend_scheme {scheme!r}")
+    return scheme
+
+
 def _read_decoders(steps: Sequence[dict]) -> dict:
     """The decoder steps we implement -> what `decode` must do. Two shapes exist:
     byte-level ([ByteLevel]) and SentencePiece-style ([Replace '▁' -> ' ',
@@ -522,7 +537,7 @@ def _read_decoders(steps: Sequence[dict]) -> dict:
             how["strip"] = int(s.get("start", 0))
         elif s["type"] == "Metaspace":
             how["space_mark"] = s["replacement"]
-            how["first_token_drops_mark"] = s.get("prepend_scheme", "always") != "never"
+            how["first_token_drops_mark"] = _prepend_scheme(s, "decoder") != "never"
     return how
 
 
@@ -807,20 +822,14 @@ def _read_pre_tokenizers(spec) -> list[dict]:
                 raise ValueError("pre_tokenizer ByteLevel must be the last step")
             for key in ("add_prefix_space", "use_regex"):
                 _need(s, key, bool, f"pre_tokenizer.{key}", True)
-        elif s["type"] == "Metaspace":
-            s = steps[k] = dict(s)
+        elif s["type"] == "Metaspace":            # one form, whatever the file wrote
             mark = _need(s, "replacement", str, "pre_tokenizer.replacement")
             if len(mark) != 1:
                 raise ValueError(f"pre_tokenizer.replacement {mark!r} is not one "
                                  "character")
-            legacy = "always" if _need(s, "add_prefix_space", bool, "add_prefix_space",
-                                       True) else "never"
-            scheme = s.setdefault("prepend_scheme", legacy)
-            if scheme not in ("always", "first", "never"):
-                raise ValueError(f"pre_tokenizer.prepend_scheme {scheme!r} is not "
-                                 "one of 'always', 'first', 'never'")
-            s.pop("add_prefix_space", None)
-            _need(s, "split", bool, "pre_tokenizer.split", True)
+            steps[k] = {"type": "Metaspace", "replacement": mark,
+                        "prepend_scheme": _prepend_scheme(s, "pre_tokenizer"),
+                        "split": _need(s, "split", bool, "pre_tokenizer.split", True)}
         else:
             raise ValueError(f"pre_tokenizer {s['type']!r} is not supported; "
                              "supported: Split, ByteLevel, Metaspace, Sequence")
@@ -956,10 +965,33 @@ def _split(pattern: str) -> dict:
             "invert": False}
 
 
+def _same_steps_or_refuse(name: str, config: dict, args: dict, built: dict) -> None:
+    """transformers uses `built` instead of the file's steps. Where the two differ,
+    transformers and `tokenizers` give different ids or text for the same folder: there
+    is no "same as Hugging Face" to give, so we refuse, naming the field."""
+    ours = {"normalizer": args["normalizers"], "pre_tokenizer": args["pre_tokenizers"],
+            "decoder": args["decoders"], "model.fuse_unk": args["fuse_unk"],
+            "model.ignore_merges": args["ignore_merges"]}
+    for field, steps in built.items():
+        if field == "decoder":
+            same = _read_decoders(steps) == _read_decoders(ours[field])
+        else:
+            same = steps == ours[field]
+        if not same:
+            options = {k: config.get(k) for k in ("legacy", "add_prefix_space")}
+            raise ValueError(
+                f"tokenizer_config.json: tokenizer_class {name!r} ({options}) is not "
+                f"supported with this file: transformers replaces tokenizer.json's "
+                f"{field} {ours[field]} by {steps}: transformers and tokenizers give "
+                "different ids or text (e.g. with leading or repeated spaces). With "
+                "tokenizer_class PreTrainedTokenizerFast, both use the file as it is")
+
+
 def _class_rules(args: dict, config: dict) -> dict:
     """`transformers` (v5) builds the text steps of some tokenizer classes itself, from
-    `tokenizer_config.json`, instead of reading them from tokenizer.json. We do the same
-    for the classes of the models in this book, and refuse the classes we don't know."""
+    `tokenizer_config.json`, instead of reading them from tokenizer.json. For Qwen2 and
+    GPT-2 we build the same steps; for LlamaTokenizer we keep the file, and refuse it
+    where transformers' steps differ; we refuse the classes we don't know."""
     name = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
     if name.endswith("Fast") and name != "PreTrainedTokenizerFast":
         name = name[:-4]                     # LlamaTokenizerFast -> LlamaTokenizer
@@ -979,8 +1011,10 @@ def _class_rules(args: dict, config: dict) -> dict:
             decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
         pre = {"type": "Metaspace", "replacement": SPACE_MARK, "prepend_scheme": scheme,
                "split": False}
-        return dict(args, normalizers=[], pre_tokenizers=[pre], decoders=decoders,
-                    fuse_unk=True)
+        _same_steps_or_refuse(name, config, args, {
+            "normalizer": [], "pre_tokenizer": [pre], "decoder": decoders,
+            "model.fuse_unk": True, "model.ignore_merges": False})
+        return args                                  # the file: transformers agrees
     if name == "Qwen2Tokenizer":                     # Qwen2, Qwen2.5, Qwen3
         return dict(args, **bpe, normalizers=[{"type": "NFC"}],
                     pre_tokenizers=[_split(QWEN2_PATTERN)] + byte_level,

@@ -410,3 +410,31 @@ def test_perplexity_refuses_what_is_not_token_ids(bundled, ids, window, match):
     from minillm.quant import perplexity
     with pytest.raises(ValueError, match=match):
         perplexity(bundled[0], ids, window)
+
+
+# --- 4 (commands): a bad value is a usage error, never a run that grows ---
+
+@pytest.mark.parametrize("module, argv, match", [
+    ("minillm.bench_serving", ["--requests", "100000000"], "at most 100000"),
+    ("minillm.bench_paged", ["--requests", "100000000"], "at most 100000"),
+    ("minillm.bench_perf", ["--batch", "1", "100000000"], "at most 4096"),
+    ("minillm.bench_serving", ["--max-num-seqs", "100000000", "--methods",
+                               "minillm-continuous"],
+     "GiB free"),
+])
+def test_commands_refuse_what_would_not_fit(module, argv, match):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", module, *argv, "--no-csv"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and match in r.stderr
+
+
+def test_unknown_engine_options_are_named(bundled):
+    with pytest.raises(ValueError, match=r"\['bogus'\]: not an option.*num_blocks"):
+        LLMEngine(*bundled, bogus=1)
+    with pytest.raises(ValueError, match="max_model_len='x'"):
+        LLMEngine(*bundled, max_model_len="x")
+    with pytest.raises(ValueError, match=r"request_id=\[1\]"):
+        LLMEngine(*bundled).pop([1])

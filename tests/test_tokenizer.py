@@ -559,15 +559,16 @@ def test_save_and_load_keeps_a_sentencepiece_tokenizer(sentencepiece, tmp_path):
         assert again.encode(text) == ours.encode(text) == reloaded_rust.encode(text).ids
 
 
-@pytest.mark.parametrize("config", [
-    {"tokenizer_class": "LlamaTokenizerFast"}, {"tokenizer_class": "LlamaTokenizer", "legacy": True},
-    {"tokenizer_class": "LlamaTokenizer", "legacy": False},
-    {"tokenizer_class": "LlamaTokenizer", "add_prefix_space": False},
-    {"tokenizer_class": "PreTrainedTokenizerFast"}, {}])
-def test_sentencepiece_same_ids_as_transformers(tmp_path, config):
-    """transformers rebuilds the text steps of Llama's tokenizer classes (from `legacy` and
-    `add_prefix_space`), and uses the file as it is for the others; we follow it."""
-    folder = _write(tmp_path / "llama2", sentencepiece_spec("llama2"),
+@pytest.mark.parametrize("kind, config", [
+    ("metaspace-first", {"tokenizer_class": "LlamaTokenizerFast"}),
+    ("metaspace-first", {"tokenizer_class": "LlamaTokenizer", "legacy": False}),
+    ("llama2", {"tokenizer_class": "PreTrainedTokenizerFast"}), ("llama2", {}),
+    ("metaspace-split", {})])
+def test_sentencepiece_same_ids_as_transformers(tmp_path, kind, config):
+    """transformers rebuilds the text steps of Llama's tokenizer class (from `legacy` and
+    `add_prefix_space`); where they are the file's own steps, and for the other classes
+    (the file as it is), we give its ids."""
+    folder = _write(tmp_path / kind, sentencepiece_spec(kind),
                     {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", **config})
     ours, hf = Tokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     assert (ours.bos_token_id, ours.eos_token_id) == (hf.bos_token_id, hf.eos_token_id) == (1, 2)
@@ -577,6 +578,21 @@ def test_sentencepiece_same_ids_as_transformers(tmp_path, config):
             assert ids == hf(text, add_special_tokens=add)["input_ids"], (text, add)
             for skip in (True, False):
                 assert ours.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip), text
+
+
+@pytest.mark.parametrize("config", [
+    {"tokenizer_class": "LlamaTokenizerFast"}, {"tokenizer_class": "LlamaTokenizer", "legacy": True},
+    {"tokenizer_class": "LlamaTokenizer", "legacy": False},
+    {"tokenizer_class": "LlamaTokenizer", "add_prefix_space": False}])
+def test_llama_class_that_replaces_the_files_steps_is_refused(tmp_path, config):
+    """For Llama 2's own file, the steps transformers builds are not the file's: transformers
+    and `tokenizers` give different ids for the same folder, so there is nothing to match."""
+    folder = _write(tmp_path / "llama2", sentencepiece_spec("llama2"),
+                    {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", **config})
+    hf, rust = AutoTokenizer.from_pretrained(folder), RustTokenizer.from_file(str(folder / "tokenizer.json"))
+    assert any(hf(t)["input_ids"] != rust.encode(t).ids for t in ["  lead", "<s> x", "<s>x"])
+    with pytest.raises(TokenizerFileError, match="tokenizer_class 'LlamaTokenizer'.*normalizer"):
+        Tokenizer.from_pretrained(folder)
 
 
 @pytest.mark.parametrize("tokenizer_class", ["Qwen2TokenizerFast", "GPT2Tokenizer",

@@ -73,15 +73,17 @@ class LLMEngine:
             raise ValueError(f"tokenizer={tokenizer!r:.60} lacks encode() or decode(); "
                              "give a minillm Tokenizer, a transformers one, or None")
         context = model.config.context_length
+        for name, value in [("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)]:
+            if value is None and name != "max_num_seqs":
+                continue  # the defaults below
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an int >= 1")
         max_model_len = context if max_model_len is None else max_model_len
         max_num_batched_tokens = (max(2048, max_model_len)
                                   if max_num_batched_tokens is None
                                   else max_num_batched_tokens)
-        for name, value in [("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len)]:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: must be an int >= 1")
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs={cuda_graphs!r}: must be True or False")
         if max_model_len > context:
@@ -92,7 +94,12 @@ class LLMEngine:
         if kv_cache is None:  # Chapter 6's blocks serve continuous batching best
             kv_cache = "paged" if policy == "continuous" else "slots"
         if kv_cache == "paged":  # Chapter 6: blocks (num_blocks or kv_cache_bytes, ...)
+            import inspect
             from minillm.engine.paged import paged_parts
+            options = list(inspect.signature(paged_parts).parameters)[5:]
+            if set(paged) - set(options):
+                raise ValueError(f"{sorted(set(paged) - set(options))}: not an option "
+                                 f"of LLMEngine; the paged cache takes {options}")
             self.kv, self.scheduler, self.runner = paged_parts(
                 model, max_num_seqs, max_num_batched_tokens, max_model_len, policy,
                 **paged)
@@ -213,6 +220,8 @@ class LLMEngine:
 
     def pop(self, request_id: str) -> Sequence:
         """Hand back a finished request (its ids, text, times) and forget it."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r:.60}: request ids are strings")
         seq = self.requests[request_id]
         if not seq.is_finished:
             raise ValueError(f"request {request_id!r} has not finished")
