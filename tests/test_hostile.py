@@ -438,3 +438,21 @@ def test_unknown_engine_options_are_named(bundled):
         LLMEngine(*bundled, max_model_len="x")
     with pytest.raises(ValueError, match=r"request_id=\[1\]"):
         LLMEngine(*bundled).pop([1])
+
+
+def test_a_request_whose_recompute_would_break_the_token_budget_is_refused(bundled):
+    """A preempted request is computed again in one step (prompt and output): without
+    chunked prefill it must fit max_num_batched_tokens, as vLLM requires."""
+    model, tok = bundled
+    engine = LLMEngine(model, tok, kv_cache="paged", num_blocks=14, block_size=4,
+                       max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match=r"= 41 tokens: after a preemption.*=32 is less"):
+        engine.add_request(list(range(1, 10)), greedy(32))
+    free_everything(engine)
+    for i in range(3):  # 24 + 8 = 32 tokens each, in a pool of 56 positions: preempts
+        prompt = list(range(1 + 30 * i, 25 + 30 * i))  # no shared prefix
+        engine.add_request(prompt, greedy(8, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.num_preemptions > 0
+    assert all(r.tokens <= 32 for r in engine.history)

@@ -148,6 +148,10 @@ class LLMEngine:
         if len(seq.prompt_ids) > budget:
             raise ValueError(f"the prompt has {len(seq.prompt_ids)} tokens; a step "
                              f"holds at most max_num_batched_tokens={budget}")
+        if hasattr(self.scheduler, "preempt") and seq.max_tokens > budget:
+            raise ValueError(f"prompt + max_new_tokens = {seq.max_tokens} tokens: "
+                             "after a preemption (Chapter 6) they are computed again "
+                             f"in one step; max_num_batched_tokens={budget} is less")
         self.requests[request_id] = seq
         self.runner.add(seq)
         self.scheduler.add(seq)
