@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -144,8 +145,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.torch_index:
             run(py, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
                 "torch", "--index-url", args.torch_index)
+        src = Path(tmp) / "src"  # a copy: building minillm writes build/ next to it
+        src.mkdir()
+        for name in ("pyproject.toml", "README.md", "minillm"):
+            copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
+            copy(ROOT / name, src / name)
         run(py, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
-            f"{ROOT}[{EXTRAS}]")
+            f"{src}[{EXTRAS}]")
         run(py, "-m", "pip", "check")
         lines = pinned(run(py, "-m", "pip", "freeze", "--all"))
     args.out.write_text(header() + "\n".join(lines) + "\n")
