@@ -27,16 +27,20 @@ def test_installed_environment_is_exactly_the_lock():
                       "change to constraints.txt: make lock):\n  " + "\n  ".join(diff))
 
 
+def assert_locked(spec: str, where: str) -> None:
+    """The lock pins the package of requirement `spec` at a version `spec` allows."""
+    req = Requirement(spec)
+    name = lock.canonical(req.name)
+    assert name in PINS, f"{where} needs {spec!r}; the lock lacks it: make lock"
+    assert req.specifier.contains(PINS[name]), \
+        f"{where} says {spec!r}, the lock pins {PINS[name]}: make lock"
+
+
 def test_lock_keeps_every_hand_pin_of_constraints():
     text = (ROOT / "constraints.txt").read_text(encoding="utf-8")
     for line in text.splitlines():
-        if not line.strip() or line.startswith("#"):
-            continue
-        req = Requirement(line)
-        name = lock.canonical(req.name)
-        assert name in PINS, f"constraints.txt pins {line!r}; the lock lacks it: make lock"
-        assert req.specifier.contains(PINS[name]), \
-            f"constraints.txt says {line!r}, the lock {PINS[name]}: run `make lock`"
+        if line.strip() and not line.startswith("#"):
+            assert_locked(line, "constraints.txt")
 
 
 def test_lock_holds_what_minillm_and_its_extras_require():
@@ -46,11 +50,7 @@ def test_lock_holds_what_minillm_and_its_extras_require():
     for extra in lock.EXTRAS.split(","):
         wanted += project["optional-dependencies"][extra]
     for spec in wanted:
-        req = Requirement(spec)
-        name = lock.canonical(req.name)
-        assert name in PINS, f"pyproject.toml needs {spec!r}; the lock lacks it: make lock"
-        assert req.specifier.contains(PINS[name]), \
-            f"pyproject.toml says {spec!r}, the lock pins {PINS[name]}: make lock"
+        assert_locked(spec, "pyproject.toml")
 
 
 def test_lock_file_is_exact_sorted_and_for_one_python():

@@ -159,8 +159,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, append one token to every running request."""
-        if self.kv.prefix_caching:  # Chapter 6: K/V of the old weights are no use
-            version = weights_version(self.model)
+        if self.kv.prefix_caching and self.scheduler.waiting:  # only admission looks
+            version = weights_version(self.model)  # up cached blocks (Chapter 6)
             if version != self._weights:
                 self.reset_prefix_cache()
                 self._weights = version
