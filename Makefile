@@ -123,14 +123,14 @@ model: $(STAMP)  ## re-train the bundled tiny Shakespeare model into data/tiny-s
 bench: $(STAMP)  ## KV-cache (ch. 3), serving (ch. 4), INT8 (ch. 5), paged-KV (ch. 6) and decode (ch. 7) benchmarks; writes data/benchmarks/*.csv
 	$(PY) -m minillm.bench kv --model bundled --new-tokens 100 --prompt-tokens 256 --repeats 5 --threads 1 --out data/benchmarks
 	$(PY) -m minillm.bench kv --model smollm2-135m --new-tokens 100 --prompt-tokens 256 --repeats 3 --threads 1 --out data/benchmarks
-	$(PY) -m minillm.bench_serving --model bundled --requests 64 --max-num-seqs 32 --threads 2 --out data/benchmarks
-	$(PY) -m minillm.bench_serving --model bundled --requests 64 --max-num-seqs 32 --rate 4 --threads 2 --out data/benchmarks
-	$(PY) -m minillm.bench_quant --model bundled --new-tokens 32 --repeats 3 --threads 2 --out data/benchmarks
-	$(PY) -m minillm.bench_quant --model SmolLM2-135M --modes float32 w8a16 w8a8 fbgemm bnb-int8 --new-tokens 32 --prompt-tokens 64 --repeats 5 --threads 2 --out data/benchmarks
-	$(PY) -m minillm.bench_paged --model bundled --requests 48 --kv-positions 3072 --max-model-len 512 --prompt-tokens 32 160 --output-tokens 128 320 --threads 1 --out data/benchmarks
-	$(PY) -m minillm.bench_paged --model bundled --requests 48 --kv-positions 3072 --max-model-len 512 --shared-prefix 256 --prompt-tokens 8 32 --output-tokens 32 96 --rate 2 --threads 1 --out data/benchmarks
-	$(PY) -m minillm.bench_perf --model bundled --batch 1 16 --threads 2 --out data/benchmarks
-	$(PY) -m minillm.bench_perf --model SmolLM2-135M --batch 1 16 --repeats 2 --threads 2 --out data/benchmarks
+	$(PY) -m minillm.bench serving --model bundled --requests 64 --max-num-seqs 32 --threads 2 --out data/benchmarks
+	$(PY) -m minillm.bench serving --model bundled --requests 64 --max-num-seqs 32 --rate 4 --threads 2 --out data/benchmarks
+	$(PY) -m minillm.bench quant --model bundled --new-tokens 32 --repeats 3 --threads 2 --out data/benchmarks
+	$(PY) -m minillm.bench quant --model SmolLM2-135M --modes float32 w8a16 w8a8 fbgemm bnb-int8 --new-tokens 32 --prompt-tokens 64 --repeats 5 --threads 2 --out data/benchmarks
+	$(PY) -m minillm.bench paged --model bundled --requests 48 --kv-positions 3072 --max-model-len 512 --prompt-tokens 32 160 --output-tokens 128 320 --threads 1 --out data/benchmarks
+	$(PY) -m minillm.bench paged --model bundled --requests 48 --kv-positions 3072 --max-model-len 512 --shared-prefix 256 --prompt-tokens 8 32 --output-tokens 32 96 --rate 2 --threads 1 --out data/benchmarks
+	$(PY) -m minillm.bench decode --model bundled --batch 1 16 --threads 2 --out data/benchmarks
+	$(PY) -m minillm.bench decode --model SmolLM2-135M --batch 1 16 --repeats 2 --threads 2 --out data/benchmarks
 
 clean:  ## remove build output (keeps .venv)
 	rm -rf _build .pytest_cache

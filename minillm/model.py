@@ -318,9 +318,8 @@ class StepMeta:
     positions: torch.Tensor                      # [B, T] position of each token
     logits_index: torch.Tensor | None = None     # [B] token giving logits; None = all
     slot_mapping: torch.Tensor | None = None     # [B, T] cache slot of each token
-    context_lens: torch.Tensor | None = None     # [B] tokens attended, new ones incl.
     block_tables: torch.Tensor | None = None     # [B, n] cache rows/blocks of each row
-    max_context: int | None = None  # known max of context_lens; None = whole cache
+    max_context: int | None = None  # the longest row's tokens; None = whole cache
     cache: dict = field(default_factory=dict, repr=False)  # e.g. the mask, built once
 
 

@@ -1,7 +1,7 @@
 """Fixtures shared by the unit tests (the plain functions behind them are in helpers.py)."""
 import pytest
 
-from helpers import make_model_pair
+from helpers import make_hf_model, make_model_pair
 
 
 @pytest.fixture(scope="module")
@@ -9,6 +9,22 @@ def llama(tmp_path_factory):
     """(transformers model, minillm model) with the same random weights: a Llama with GQA,
     weights drawn wide so that greedy decoding wanders. Built once per test module."""
     return make_model_pair(tmp_path_factory.mktemp("llama"), "llama_gqa_untied", "wide")
+
+
+@pytest.fixture(scope="module")
+def folder_weights():
+    """The `weights` of make_hf_model for `folder`; a module overrides this fixture to
+    change them."""
+    return "init"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, folder_weights):
+    """A tiny random Llama saved in Hugging Face format (no tokenizer), in a folder whose
+    name has a space, on purpose: "tiny model". Built once per test module."""
+    path = tmp_path_factory.mktemp("models") / "tiny model"
+    make_hf_model(path, "llama_gqa_untied", folder_weights)
+    return path
 
 
 def pytest_collection_modifyitems(config, items):

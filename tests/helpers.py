@@ -1,18 +1,24 @@
 """What the unit tests share: tiny random Hugging Face models of every family minillm loads,
 saved to a folder so that both `transformers` and `minillm.load_model` read the same weights,
-and `transformers`' greedy generation as the reference loop.
+and `transformers`' greedy generation as the reference loop; `greedy` parameters, `drive` to
+run an engine through requests that arrive over steps, `forbid` to fail a test when a function
+is called, and `compiling` to prove that torch.compile really compiled.
 
 Test modules import these functions (`from helpers import make_hf_model`); the fixtures built
 on them live in conftest.py."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import transformers
 
 from minillm.model import load_model
+from minillm.sampling import SamplingParams
+from minillm.sequence import Sequence
 
 torch.set_num_threads(1)
 
@@ -81,3 +87,63 @@ def hf_greedy(hf, prompt: list[int], n: int, **generate_kwargs) -> list[int]:
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt):].tolist()
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    """Greedy decoding of at most `n` new tokens; `kw` are more SamplingParams fields."""
+    return SamplingParams(temperature=0, max_new_tokens=n, **kw)
+
+
+class Served(NamedTuple):
+    """One request that `drive` ran: what it asked, what it streamed, how it ended."""
+    prompt: list[int] | str
+    params: SamplingParams | None
+    streamed: list[int]  # the new ids of its RequestOutputs, in order
+    seq: Sequence  # the finished request, popped from the engine
+
+
+def drive(engine, arrivals, max_steps: int = 10_000) -> dict[str, Served]:
+    """Run an LLMEngine through `arrivals`, (step index, prompt, params) tuples in any order:
+    each request is added before that step (ties in the given order), and the engine steps
+    until all have finished. Every output brings one new id, and `finished` exactly when it
+    has a finish_reason. Fails past `max_steps` steps. Returns {request id: Served}, in the
+    order the requests were added."""
+    arrivals = sorted(arrivals, key=lambda a: a[0])
+    added, streamed, i, step = {}, {}, 0, 0
+    while i < len(arrivals) or engine.has_unfinished():
+        while i < len(arrivals) and arrivals[i][0] <= step:
+            _, prompt, params = arrivals[i]
+            rid = engine.add_request(prompt, params)
+            added[rid], streamed[rid] = (prompt, params), []
+            i += 1
+        outputs = engine.step() if engine.has_unfinished() else []
+        for out in outputs:
+            assert len(out.new_token_ids) == 1
+            assert out.finished == (out.finish_reason is not None)
+            streamed[out.request_id] += out.new_token_ids
+        step += 1
+        assert step < max_steps
+    return {rid: Served(*added[rid], streamed[rid], engine.pop(rid)) for rid in added}
+
+
+def forbid(monkeypatch, owner, name: str, message: str) -> None:
+    """Replace `owner.name` (for the test) by a function that fails the test if called."""
+    def called(*args, **kwargs):
+        raise AssertionError(message)
+    monkeypatch.setattr(owner, name, called)
+
+
+@contextlib.contextmanager
+def compiling():
+    """Fail unless torch.compile really compiles inside the block: Dynamo's caches are
+    reset first (what ran before compiles again), its errors raise instead of falling back
+    to eager in silence, and at least one frame must compile to a graph."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    frames, graphs = counters["frames"]["ok"], counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(suppress_errors=False):
+        yield
+    assert counters["frames"]["ok"] > frames, "torch.compile compiled no frame"
+    assert counters["stats"]["unique_graphs"] > graphs, "torch.compile made no graph"

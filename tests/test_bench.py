@@ -7,20 +7,13 @@ import os
 import pytest
 import torch
 
-from helpers import TINY, make_hf_model
-from minillm import bench
+from helpers import TINY, forbid
+from minillm.bench import cli, measure, results
+from minillm.bench import kv as bench
 from minillm.memory import kv_cache_bytes
 from minillm.utils import repo_root
 
 SMALL_RUN = ["--new-tokens", "3", "--prompt-tokens", "8", "--repeats", "1"]
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A tiny random Llama saved in Hugging Face format."""
-    path = tmp_path_factory.mktemp("models") / "tiny model"  # a space in the path, on purpose
-    make_hf_model(path, "llama_gqa_untied", "init")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +29,7 @@ def test_benchmark_rows_steps_and_memory(result, folder):
     assert all(len(s) == 4 for s in result.steps.values())  # tokens 2..5
     assert all(t > 0 for s in result.steps.values() for t in s)
     model = bench.load_model(folder, dtype=torch.float32, device="cpu")
-    weights = bench.weight_nbytes(model)
+    weights = measure.weight_nbytes(model)
     assert result.rows[0]["memory_MiB"] * 2**20 == pytest.approx(weights)  # naive: no cache
     assert result.rows[1]["memory_MiB"] * 2**20 == pytest.approx(
         weights + kv_cache_bytes(TINY, 26, 1, torch.float32))  # + the spare slot
@@ -65,7 +58,7 @@ def test_a_failed_write_keeps_the_old_files(result, tmp_path, monkeypatch):
 
     def full_disk(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(bench.os, "fsync", full_disk)
+    monkeypatch.setattr(results.os, "fsync", full_disk)
     with pytest.raises(OSError, match="No space"):
         bench.write_csv(result, tmp_path)
     assert (summary.read_text(), steps.read_text()) == before
@@ -90,9 +83,8 @@ def test_run_kv_benchmark_checks_its_arguments(folder):
 @pytest.fixture
 def no_run(monkeypatch):
     """Fail the test if a benchmark starts: bad arguments must stop the command before."""
-    def run(*args, **kwargs):
-        raise AssertionError("the benchmark started despite a bad argument")
-    monkeypatch.setattr(bench, "run_kv_benchmark", run)
+    forbid(monkeypatch, bench, "run_kv_benchmark",
+           "the benchmark started despite a bad argument")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -107,7 +99,7 @@ def no_run(monkeypatch):
 ])
 def test_bad_arguments_stop_before_any_work(folder, tmp_path, no_run, capsys, args, message):
     with pytest.raises(SystemExit) as stop:
-        bench.main(["kv", "--model", str(folder), "--out", str(tmp_path / "out"), *args])
+        bench.main(["--model", str(folder), "--out", str(tmp_path / "out"), *args])
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -119,7 +111,7 @@ def test_unknown_model_and_unusable_out_folder(folder, tmp_path, no_run, capsys)
                           (["--out", str(a_file)], "exists and is not a folder"),
                           (["--out", str(a_file / "sub")], "cannot write there")]:
         with pytest.raises(SystemExit) as stop:
-            bench.main(["kv", "--model", str(folder), *args])
+            bench.main(["--model", str(folder), *args])
         assert stop.value.code == 2
         assert message in capsys.readouterr().err
 
@@ -127,7 +119,7 @@ def test_unknown_model_and_unusable_out_folder(folder, tmp_path, no_run, capsys)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu(folder, tmp_path, no_run, capsys):
     with pytest.raises(SystemExit):
-        bench.main(["kv", "--model", str(folder), "--device", "cuda",
+        bench.main(["--model", str(folder), "--device", "cuda",
                     "--out", str(tmp_path)])
     assert "cuda" in capsys.readouterr().err
 
@@ -138,9 +130,9 @@ def test_the_command_writes_outside_the_reference_data(folder, tmp_path, monkeyp
     before = {p.name: p.read_bytes() for p in reference.glob("*.csv")}
     threads = torch.get_num_threads()
     monkeypatch.chdir(tmp_path)
-    assert bench.main(["kv", "--model", str(folder), "--threads", "1", *SMALL_RUN]) == 0
-    written = tmp_path / bench.DEFAULT_OUT / "kv_tiny-model_cpu.csv"
-    assert written.is_file() and f"wrote {bench.DEFAULT_OUT}" in capsys.readouterr().out
+    assert bench.main(["--model", str(folder), "--threads", "1", *SMALL_RUN]) == 0
+    written = tmp_path / cli.DEFAULT_OUT / "kv_tiny-model_cpu.csv"
+    assert written.is_file() and f"wrote {cli.DEFAULT_OUT}" in capsys.readouterr().out
     assert "torch threads: 1" in written.read_text()  # --threads applied to the run
     assert torch.get_num_threads() == threads  # ... and restored afterwards
     assert {p.name: p.read_bytes() for p in reference.glob("*.csv")} == before
@@ -151,7 +143,7 @@ def test_a_write_error_after_the_run_is_reported(folder, tmp_path, monkeypatch, 
     def full_disk(result, out):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(bench, "write_csv", full_disk)
-    assert bench.main(["kv", "--model", str(folder), "--out", str(tmp_path),
+    assert bench.main(["--model", str(folder), "--out", str(tmp_path),
                        *SMALL_RUN]) == 1
     captured = capsys.readouterr()
     assert "KV cache (minillm)" in captured.out  # the table was printed before
@@ -160,7 +152,7 @@ def test_a_write_error_after_the_run_is_reported(folder, tmp_path, monkeypatch, 
 
 def test_no_csv_writes_nothing(folder, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert bench.main(["kv", "--model", str(folder), "--no-csv", *SMALL_RUN]) == 0
+    assert bench.main(["--model", str(folder), "--no-csv", *SMALL_RUN]) == 0
     assert os.listdir(tmp_path) == []
 
 

@@ -1,4 +1,4 @@
-"""minillm.bench_paged (chapter 6's benchmark): slots against paged KV memory on one
+"""minillm.bench.paged (chapter 6's benchmark): slots against paged KV memory on one
 budget, the same tokens from every engine, prefix-cache hits with a shared prompt start,
 CSV files that explain themselves, and every argument checked before any work. A tiny
 model and short outputs; no timed asserts."""
@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from helpers import make_hf_model
-from minillm import bench
-from minillm import bench_paged as bp
+from helpers import forbid
+from minillm.bench import cli
+from minillm.bench import paged as bp
 from minillm.model import ModelConfig
 from minillm.utils import repo_root
 
@@ -25,11 +25,9 @@ NAMES = ["slots", "paged", "paged + prefix cache"]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A tiny random Llama saved in Hugging Face format (no tokenizer)."""
-    path = tmp_path_factory.mktemp("models") / "tiny model"  # a space, on purpose
-    make_hf_model(path, "llama_gqa_untied", "wide")
-    return path
+def folder_weights():
+    """conftest's `folder` here holds weights drawn wide: greedy outputs wander."""
+    return "wide"
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +140,7 @@ def test_table_and_csv_files(result, prefixed, tmp_path):
 @pytest.fixture
 def no_load(monkeypatch):
     """Fail the test if a model is loaded: bad arguments must stop everything before."""
-    def load(*args, **kwargs):
-        raise AssertionError("a model was loaded despite a bad argument")
-    monkeypatch.setattr(bp, "load_model", load)
+    forbid(monkeypatch, bp, "load_model", "a model was loaded despite a bad argument")
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -182,15 +178,14 @@ def test_cli_help(capsys):
         bp.main(["--help"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
-    assert "python -m minillm.bench_paged" in out
+    assert "python -m minillm.bench paged" in out
     assert all(flag in out for flag in ("--kv-positions", "--shared-prefix", "--methods"))
 
 
 @pytest.fixture
 def no_run(monkeypatch):
-    def run(*args, **kwargs):
-        raise AssertionError("the benchmark started despite a bad argument")
-    monkeypatch.setattr(bp, "run_paged_benchmark", run)
+    forbid(monkeypatch, bp, "run_paged_benchmark",
+           "the benchmark started despite a bad argument")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -219,7 +214,7 @@ def test_the_command_writes_its_csv_file(folder, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert bp.main(["--model", str(folder), "--threads", "1", *SMALL_CLI,
                     "--shared-prefix", "8", "--methods", "slots", "paged-prefix"]) == 0
-    written = tmp_path / bench.DEFAULT_OUT / "paged_tiny-model_cpu_prefix8.csv"
+    written = tmp_path / cli.DEFAULT_OUT / "paged_tiny-model_cpu_prefix8.csv"
     out = capsys.readouterr().out
     assert written.is_file() and "paged + prefix cache" in out and "wrote" in out
     rows = list(csv.DictReader(written.open()))

@@ -1,4 +1,4 @@
-"""minillm.bench_perf (chapter 7's decode benchmark): every way gives transformers'
+"""minillm.bench.decode (chapter 7's decode benchmark): every way gives transformers'
 tokens in float32, the ratios and the MBU follow from the times, a preset's random
 model has transformers' weights, and bad arguments are refused before any work."""
 import csv
@@ -6,7 +6,7 @@ import csv
 import pytest
 import torch
 
-from minillm import bench_perf
+from minillm.bench import decode as bench_perf
 from minillm.perf import decode_bytes
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""minillm.bench_quant (chapter 5's INT8 benchmark): bytes, speed and quality per mode on
+"""minillm.bench.quant (chapter 5's INT8 benchmark): bytes, speed and quality per mode on
 the bundled model and a tiny random one, CSV files that read back, every argument checked
 before any work, and the 7B check's sharded writer and loader on a small preset.
 Short runs; no timed asserts."""
@@ -10,9 +10,8 @@ import os
 import pytest
 import torch
 
-from helpers import make_hf_model
-from minillm import bench_quant as bq
-from minillm.bench import torch_threads
+from minillm.bench import quant as bq
+from minillm.bench.cli import torch_threads
 from minillm.memory import parameter_count
 from minillm.quant import Int8Linear
 from minillm.utils import bundled_model_path, repo_root
@@ -28,14 +27,6 @@ def bundled():
     with torch_threads(1):
         return bq.run_quant_benchmark(bundled_model_path(), ("float32", "w8a16", "w8a8"),
                                       **FAST)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A tiny random Llama in Hugging Face format (no tokenizer)."""
-    path = tmp_path_factory.mktemp("models") / "tiny model"  # a space, on purpose
-    make_hf_model(path, "llama_gqa_untied", "init")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +261,7 @@ def test_seven_b_check_refuses_bad_arguments(bad, message, tmp_path, monkeypatch
 
 
 def test_recorded_reference_data():
-    """The book's reference runs (python -m minillm.bench_quant --out data/benchmarks)."""
+    """The book's reference runs (python -m minillm.bench quant --out data/benchmarks)."""
     folder = repo_root() / "data" / "benchmarks"
     paths = sorted(folder.glob("quant_*.csv"))
     assert {p.name for p in paths} >= {"quant_bundled_cpu.csv",

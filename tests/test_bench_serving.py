@@ -1,4 +1,4 @@
-"""minillm.bench_serving (chapter 4's serving benchmark): a seeded workload, five ways to
+"""minillm.bench.serving (chapter 4's serving benchmark): a seeded workload, five ways to
 serve it, metrics that add up, CSV files that explain themselves, and every argument
 checked before any work. Small models and short outputs; no timed asserts."""
 import csv
@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from helpers import make_hf_model
-from minillm import bench
-from minillm import bench_serving as bs
+from helpers import forbid
+from minillm.bench import cli, workloads
+from minillm.bench import serving as bs
 from minillm.model import ModelConfig
 from minillm.utils import bundled_model_path, repo_root
 
@@ -17,14 +17,6 @@ SMALL = dict(num_requests=6, max_num_seqs=3, prompt_tokens=(4, 12), output_token
              device="cpu", prompts="random", progress=False)
 SMALL_CLI = ["--requests", "3", "--max-num-seqs", "2", "--prompt-tokens", "4", "8",
              "--output-tokens", "2", "4", "--prompts", "random"]
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A tiny random Llama saved in Hugging Face format (no tokenizer)."""
-    path = tmp_path_factory.mktemp("models") / "tiny model"  # a space, on purpose
-    make_hf_model(path, "llama_gqa_untied", "init")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +60,7 @@ def test_prompts_are_cut_from_the_held_out_plays():
     path = bundled_model_path()
     config = ModelConfig.from_hf(path)
     requests = bs.make_workload(config, 4, (16, 128), (16, 256), seed=3, model_path=path)
-    stream = bs.heldout_ids(str(path))
+    stream = workloads.heldout_ids(str(path))
     tok = Tokenizer.from_pretrained(path)
     for r in requests:
         assert r.prompt_ids[0] == config.bos_token_id
@@ -171,9 +163,7 @@ def test_table_and_csv_files(result, tmp_path):
 @pytest.fixture
 def no_load(monkeypatch):
     """Fail the test if a model is loaded: bad arguments must stop everything before."""
-    def load(*args, **kwargs):
-        raise AssertionError("a model was loaded despite a bad argument")
-    monkeypatch.setattr(bs, "load_model", load)
+    forbid(monkeypatch, bs, "load_model", "a model was loaded despite a bad argument")
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -218,15 +208,14 @@ def test_cli_help(capsys):
         bs.main(["--help"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
-    assert "python -m minillm.bench_serving" in out
+    assert "python -m minillm.bench serving" in out
     assert all(flag in out for flag in ("--rate", "--max-num-seqs", "--methods"))
 
 
 @pytest.fixture
 def no_run(monkeypatch):
-    def run(*args, **kwargs):
-        raise AssertionError("the benchmark started despite a bad argument")
-    monkeypatch.setattr(bs, "run_serving_benchmark", run)
+    forbid(monkeypatch, bs, "run_serving_benchmark",
+           "the benchmark started despite a bad argument")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -256,7 +245,7 @@ def test_the_command_writes_its_csv_files(folder, tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(tmp_path)
     assert bs.main(["--model", str(folder), "--threads", "1", *SMALL_CLI,
                     "--methods", "minillm-one-by-one", "minillm-continuous"]) == 0
-    written = tmp_path / bench.DEFAULT_OUT / "serve_tiny-model_cpu_offline.csv"
+    written = tmp_path / cli.DEFAULT_OUT / "serve_tiny-model_cpu_offline.csv"
     out = capsys.readouterr().out
     assert written.is_file() and "minillm continuous" in out and "wrote" in out
     assert "torch threads: 1" in written.read_text()  # --threads applied to the run

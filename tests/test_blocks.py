@@ -1,4 +1,4 @@
-"""minillm.engine.blocks (chapter 6): the block manager's invariants hold after every
+"""minillm.kv.blocks (chapter 6): the block manager's invariants hold after every
 operation of long random runs (hypothesis' stateful testing), a shared prefix block always
 holds the tokens its hash names, and everything is free once every request has ended."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minillm.engine.blocks import BlockManager, check_block_size
+from minillm.kv.blocks import BlockManager, check_block_size
 
 
 @pytest.mark.parametrize("bad", [0, -4, 3, 12, 2.0, "16", True, None])

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from minillm import bench
+from minillm.bench import folders as bench
 from minillm.memory import PRESETS
 from minillm.model import load_model
 

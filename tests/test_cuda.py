@@ -3,15 +3,16 @@ machine without a CUDA GPU; tools/gpu_check.sh runs them on one."""
 import pytest
 import torch
 
+from helpers import drive, greedy
 from minillm.engine import LLMEngine
-from minillm.kvcache import generate
+from minillm.generate import generate
 from minillm.model import load_model
 from minillm.quant import int8_matmul, quantize
-from minillm.sampling import SamplingParams
 from minillm.utils import bundled_model_path
 
 pytestmark = pytest.mark.cuda
 PROMPTS = [[4093, 40 + i, 300 + 7 * i, 12] for i in range(6)]
+PARAMS = greedy(24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +20,6 @@ def models():
     path = bundled_model_path()
     return load_model(path, dtype=torch.float32), load_model(path, dtype=torch.float32,
                                                              device="cuda")
-
-
-def greedy(n=24, **kw):
-    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True, **kw)
 
 
 def test_logits_match_the_cpu(models):
@@ -38,11 +35,9 @@ def test_logits_match_the_cpu(models):
 def test_engine_equals_generate_on_the_gpu(models, kv_cache):
     _, gpu = models
     engine = LLMEngine(gpu, max_num_seqs=4, kv_cache=kv_cache)
-    rids = [engine.add_request(p, greedy()) for p in PROMPTS]
-    while engine.has_unfinished():
-        engine.step()
-    assert [engine.pop(r).output_ids for r in rids] == [generate(gpu, p, greedy())
-                                                        for p in PROMPTS]
+    served = drive(engine, [(0, p, PARAMS) for p in PROMPTS])
+    assert [r.seq.output_ids for r in served.values()] == [generate(gpu, p, PARAMS)
+                                                           for p in PROMPTS]
 
 
 def test_int8_matmul_is_exact_on_the_gpu():
@@ -60,5 +55,6 @@ def test_int8_modes_generate_like_their_cpu_twins(models, mode):
     import copy
     qc, qg = quantize(copy.deepcopy(cpu), mode), quantize(copy.deepcopy(gpu), mode)
     agree = [a == b for p in PROMPTS[:3]
-             for a, b in zip(generate(qc, p, greedy(16)), generate(qg, p, greedy(16)))]
+             for a, b in zip(generate(qc, p, greedy(16, ignore_eos=True)),
+                             generate(qg, p, greedy(16, ignore_eos=True)))]
     assert sum(agree) / len(agree) > 0.9  # float rounding may flip near-ties

@@ -4,7 +4,7 @@ import torch
 import transformers
 
 from minillm.diagnose import eos_probability, input_lengths, memory_triage, repeated_share
-from minillm.kvcache import generate
+from minillm.generate import generate
 from minillm.memory import kv_cache_bytes, weight_bytes
 from minillm.naive import naive_generate
 from minillm.sampling import SamplingParams

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import drive, greedy
 from minillm.engine import LLM as _LLM, LLMEngine as _LLMEngine
-from minillm.engine.paged import PagedKVCache
-from minillm.engine.slots import SlotKVCache
-from minillm.kvcache import KVCache, generate
+from minillm.kv.paged import PagedKVCache
+from minillm.kv.slots import SlotKVCache
+from minillm.kv.contiguous import KVCache
+from minillm.generate import generate
 from minillm.model import StepMeta, load_model
 from minillm.sampling import SamplingParams
 from minillm.sequence import Sequence
@@ -31,10 +33,6 @@ def LLM(*args, **kwargs):
 
 SHAKESPEARE = Path(__file__).resolve().parent.parent / "data" / "tiny-shakespeare"
 EOS = 2  # the EOS id of the TINY models of helpers.py
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_new_tokens=n, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -74,26 +72,6 @@ def assert_drained(engine: LLMEngine) -> None:
     assert not engine.scheduler.waiting and not engine.scheduler.running
     assert engine.kv.row_of == {} and engine.kv.num_free == engine.kv.batch_size
     assert engine.runner.generators == {}
-
-
-def drive(engine: LLMEngine, arrivals: list) -> dict:
-    """arrivals: (step index, prompt, params). Add each request before that step, step until
-    all finished; returns {request id: (prompt, params, tokens streamed, finished Sequence)}."""
-    arrivals = sorted(arrivals, key=lambda a: a[0])
-    streamed, info, i, n = {}, {}, 0, 0
-    while i < len(arrivals) or engine.has_unfinished():
-        while i < len(arrivals) and arrivals[i][0] <= n:
-            _, prompt, params = arrivals[i]
-            rid = engine.add_request(prompt, params)
-            info[rid], streamed[rid] = (prompt, params), []
-            i += 1
-        for out in engine.step():
-            assert len(out.new_token_ids) == 1 and out.finished == (out.finish_reason
-                                                                    is not None)
-            streamed[out.request_id] += out.new_token_ids
-        n += 1
-        assert n < 10_000
-    return {rid: (*info[rid], streamed[rid], engine.pop(rid)) for rid in info}
 
 
 # --- 1. KV backend conformance -------------------------------------------------------------
@@ -159,7 +137,6 @@ def check_backend(model, make_kv) -> None:
     def run(ids, positions, slots, lengths, logits_index, max_context):
         meta = StepMeta(positions=torch.tensor(positions), logits_index=logits_index,
                         slot_mapping=torch.tensor(slots),
-                        context_lens=torch.tensor(lengths),
                         block_tables=rows.block_tables(), max_context=max_context)
         return model(torch.tensor(ids), meta.positions, kv=kv, meta=meta)
 

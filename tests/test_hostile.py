@@ -14,21 +14,17 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import minillm.engine.runner as runner_module
+from helpers import greedy
 from minillm.engine import LLM, LLMEngine
 from minillm.engine.llm import RequestError
 from minillm.model import load_model
 from minillm.quant import quantize
-from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 torch.set_num_threads(1)
 SHAKESPEARE = Path(__file__).resolve().parent.parent / "data" / "tiny-shakespeare"
 PROMPTS = ["ROMEO:\nBut soft, what light", "JULIET:\nO Romeo, Romeo,",
            "KING HENRY:\nOnce more unto the breach", "HAMLET:\nTo be, or not"]
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_new_tokens=n, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +238,7 @@ def test_reset_prefix_cache_forgets_every_block(bundled):
 
 
 def test_block_names_are_content_hashes_checked_on_a_hit():
-    from minillm.engine.blocks import BlockManager
+    from minillm.kv.blocks import BlockManager
     bm = BlockManager(num_blocks=8, block_size=4)
     tokens = list(range(10, 22))
     hashes = bm.block_hashes(tokens)
@@ -415,17 +411,17 @@ def test_perplexity_refuses_what_is_not_token_ids(bundled, ids, window, match):
 # --- 4 (commands): a bad value is a usage error, never a run that grows ---
 
 @pytest.mark.parametrize("module, argv, match", [
-    ("minillm.bench_serving", ["--requests", "100000000"], "at most 100000"),
-    ("minillm.bench_paged", ["--requests", "100000000"], "at most 100000"),
-    ("minillm.bench_perf", ["--batch", "1", "100000000"], "at most 4096"),
-    ("minillm.bench_serving", ["--max-num-seqs", "100000000", "--methods",
+    ("serving", ["--requests", "100000000"], "at most 100000"),
+    ("paged", ["--requests", "100000000"], "at most 100000"),
+    ("decode", ["--batch", "1", "100000000"], "at most 4096"),
+    ("serving", ["--max-num-seqs", "100000000", "--methods",
                                "minillm-continuous"],
      "GiB free"),
 ])
 def test_commands_refuse_what_would_not_fit(module, argv, match):
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", module, *argv, "--no-csv"],
+    r = subprocess.run([sys.executable, "-m", "minillm.bench", module, *argv, "--no-csv"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and match in r.stderr

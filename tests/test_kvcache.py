@@ -1,11 +1,12 @@
-"""minillm.kvcache (chapter 3): the same tokens and logits as the naive loop and transformers,
+"""minillm.kv.contiguous and minillm.generate (chapter 3): the same tokens and logits as the naive loop and transformers,
 memory equal to the formula, clear errors before any work, no half-filled cache after one.
 The benchmark command (minillm.bench) is tested in test_bench.py."""
 
 import pytest
 import torch
 
-from minillm.kvcache import KVCache, generate, generate_tokens, stream, watch_input_lengths
+from minillm.kv.contiguous import KVCache
+from minillm.generate import generate, generate_tokens, stream, watch_input_lengths
 from minillm.memory import kv_cache_bytes
 from minillm.model import StepMeta, load_model
 from minillm.naive import naive_generate
@@ -110,7 +111,7 @@ def test_cache_follows_the_model_dtype(tmp_path):
 
 
 def test_mask_built_once_per_forward(llama):
-    from minillm import kvcache
+    from minillm.kv import contiguous as kvcache
     _, model = llama
     cache = KVCache.from_model(model, 20)
     seen = []
@@ -288,7 +289,7 @@ def test_cache_constructor_checks(kwargs, match):
 
 
 def test_a_cache_larger_than_memory_is_refused_before_allocating():
-    from minillm.kvcache import free_memory_bytes
+    from minillm.kv.contiguous import free_memory_bytes
     free = free_memory_bytes("cpu")
     if free is None:
         pytest.skip("this system does not report its free memory")

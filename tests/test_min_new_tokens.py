@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import hf_greedy
+from helpers import drive, greedy, hf_greedy
 from minillm.engine import LLMEngine
-from minillm.kvcache import generate
+from minillm.generate import generate
 from minillm.naive import naive_generate
 from minillm.sampling import SamplingParams
 from minillm.sequence import Sequence, block_early_stop
@@ -45,14 +45,10 @@ def early(llama):
     model.config.eos_token_ids = saved
 
 
-def greedy(n, m, **kw):
-    return SamplingParams(temperature=0, max_new_tokens=n, min_new_tokens=m, **kw)
-
-
 @pytest.mark.parametrize("m", [0, 1, 4, 9, 24])
 def test_every_loop_equals_transformers_min_new_tokens(early, m):
     hf, model, eos, free = early
-    params = greedy(24, m)
+    params = greedy(24, min_new_tokens=m)
     ours = generate(model, PROMPT, params)
     assert naive_generate(model, PROMPT, params) == ours
     assert ours == hf_greedy(hf, PROMPT, 24, eos_token_id=eos, min_new_tokens=m)
@@ -62,32 +58,30 @@ def test_every_loop_equals_transformers_min_new_tokens(early, m):
         assert ours == free[:free.index(eos) + 1]  # the symptom: an answer of 4 tokens
     for kv_cache in ("paged", "slots"):  # chapters 6 and 4
         engine = LLMEngine(model, max_num_seqs=4, kv_cache=kv_cache)
-        for i in range(3):
-            engine.add_request(PROMPT, params, request_id=str(i))
-        while engine.has_unfinished():
-            engine.step()
-        assert [engine.pop(str(i)).output_ids for i in range(3)] == [ours] * 3
+        served = drive(engine, [(0, PROMPT, params)] * 3)
+        assert [r.seq.output_ids for r in served.values()] == [ours] * 3
 
 
 def test_stop_ids_and_stop_strings_wait_too(early):
     _, model, eos, free = early
     stop = free[1]
-    ours = generate(model, PROMPT, greedy(24, 5, ignore_eos=True, stop_token_ids=[stop]))
+    ours = generate(model, PROMPT, greedy(24, min_new_tokens=5, ignore_eos=True,
+                                          stop_token_ids=[stop]))
     assert stop not in ours[:5] and len(ours) > 5
 
     class Letters:  # one letter per id
         def decode(self, ids):
             return "".join(chr(97 + i % 26) for i in ids)
     text = Letters().decode(free)
-    params = greedy(24, 6, ignore_eos=True, stop=[text[2]])
+    params = greedy(24, min_new_tokens=6, ignore_eos=True, stop=[text[2]])
     out = generate(model, PROMPT, params, tokenizer=Letters())
     assert len(out) > 6 and text[2] in Letters().decode(out)[6:]
 
 
 def test_block_early_stop_masks_only_rows_that_must_go_on(early):
     _, model, eos, _ = early
-    a = Sequence.create(model, PROMPT, greedy(10, 2))
-    b = Sequence.create(model, PROMPT, greedy(10, 0))
+    a = Sequence.create(model, PROMPT, greedy(10, min_new_tokens=2))
+    b = Sequence.create(model, PROMPT, greedy(10, min_new_tokens=0))
     logits = torch.zeros(2, model.config.vocab_size)
     assert block_early_stop(logits, [b, b]) is logits  # nothing to do: no copy
     out = block_early_stop(logits, [a, b])

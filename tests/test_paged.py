@@ -1,4 +1,4 @@
-"""minillm.engine.paged (chapter 6): the engine on blocks gives every request the tokens of
+"""minillm.kv.paged (chapter 6): the engine on blocks gives every request the tokens of
 chapter 3's `generate` for it alone: with room to spare, under a budget so tight that
 requests are preempted and computed again, and with prefix-cache hits; a random run of
 add / step / abort ends with every block free."""
@@ -9,16 +9,12 @@ import random
 import pytest
 import torch
 
+from helpers import drive, greedy
 from minillm.engine import LLMEngine
-from minillm.engine.paged import PagedKVCache
-from minillm.kvcache import generate
-from minillm.sampling import SamplingParams
+from minillm.kv.paged import PagedKVCache
+from minillm.generate import generate
 
 torch.set_num_threads(1)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -33,22 +29,6 @@ def paged_engine(model, num_blocks: int, block_size: int = 4, prefix: bool = Tru
                      enable_prefix_caching=prefix)
 
 
-def run_all(engine, requests, arrivals=None) -> dict:
-    """Add requests (all at once, or request i before step arrivals[i]); step to the end."""
-    arrivals = arrivals or [0] * len(requests)
-    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
-    ids, step, k = {}, 0, 0
-    while k < len(order) or engine.has_unfinished():
-        while k < len(order) and arrivals[order[k]] <= step:
-            prompt, params = requests[order[k]]
-            ids[order[k]] = engine.add_request(prompt, params)
-            k += 1
-        engine.step()
-        step += 1
-        assert step < 5000
-    return {i: engine.pop(rid).output_ids for i, rid in ids.items()}
-
-
 def assert_all_free(engine) -> None:
     bm = engine.kv.blocks
     bm.check()
@@ -61,7 +41,7 @@ def requests_of(seed: int, n: int, shared: list[int] | None = None):
     out = []
     for _ in range(n):
         prompt = (shared or []) + [rng.randrange(3, 100) for _ in range(rng.randint(1, 11))]
-        out.append((prompt, greedy(rng.randint(1, 14))))
+        out.append((prompt, greedy(rng.randint(1, 14), ignore_eos=True)))
     return out
 
 
@@ -70,9 +50,11 @@ def requests_of(seed: int, n: int, shared: list[int] | None = None):
 def test_paged_engine_gives_solo_tokens(model, num_blocks, prefix):
     requests = requests_of(1, 10, shared=[1, 5, 9, 13, 17, 21, 25, 29, 33])
     engine = paged_engine(model, num_blocks, prefix=prefix)
-    got = run_all(engine, requests, arrivals=[0, 0, 0, 1, 2, 2, 5, 9, 9, 20])
-    for i, (prompt, params) in enumerate(requests):
-        assert got[i] == generate(model, prompt, params), i
+    arrivals = [0, 0, 0, 1, 2, 2, 5, 9, 9, 20]
+    got = drive(engine, [(step, *r) for step, r in zip(arrivals, requests)], max_steps=5000)
+    assert len(got) == len(requests)
+    for rid, (prompt, params, _, seq) in got.items():
+        assert seq.output_ids == generate(model, prompt, params), rid
     assert_all_free(engine)
     if num_blocks <= 12:  # the budget was too small for everyone at once
         assert engine.scheduler.num_preemptions > 0
@@ -83,10 +65,11 @@ def test_paged_engine_gives_solo_tokens(model, num_blocks, prefix):
 def test_prefix_hit_skips_the_cached_tokens(model):
     engine = paged_engine(model, 40)
     system = list(range(3, 20))  # 17 tokens: 4 full blocks of 4
-    first = engine.add_request(system + [50], greedy(2))
+    params = greedy(2, ignore_eos=True)
+    first = engine.add_request(system + [50], params)
     while engine.has_unfinished():
         engine.step()
-    second = engine.add_request(system + [60, 61], greedy(2))
+    second = engine.add_request(system + [60, 61], params)
     batch = engine.scheduler.schedule()
     assert batch.is_prefill and engine.kv.num_computed(batch.seqs[0]) == 16
     ids, meta = engine.runner.prepare_prefill(batch.seqs)
@@ -95,8 +78,8 @@ def test_prefix_hit_skips_the_cached_tokens(model):
     engine.scheduler.undo(batch)
     while engine.has_unfinished():
         engine.step()
-    assert engine.pop(second).output_ids == generate(model, system + [60, 61], greedy(2))
-    assert engine.pop(first).output_ids == generate(model, system + [50], greedy(2))
+    assert engine.pop(second).output_ids == generate(model, system + [60, 61], params)
+    assert engine.pop(first).output_ids == generate(model, system + [50], params)
     assert_all_free(engine)
 
 
@@ -109,7 +92,7 @@ def test_random_add_step_abort_leaves_every_block_free(model):
         if r < 0.25 and len(live) < 12:
             prompt = [1, 2, 3, 4, 5][:rng.randint(0, 5)] + [rng.randrange(3, 100)
                                                             for _ in range(rng.randint(1, 8))]
-            params = greedy(rng.randint(1, 10))
+            params = greedy(rng.randint(1, 10), ignore_eos=True)
             rid = engine.add_request(prompt, params)
             live[rid], want[rid] = True, (prompt, params)
         elif r < 0.3 and live:
@@ -130,9 +113,9 @@ def test_random_add_step_abort_leaves_every_block_free(model):
 
 def test_a_request_longer_than_the_pool_is_refused_up_front(model):
     engine = paged_engine(model, 3, block_size=4)  # 12 positions in all
-    ok = engine.add_request([5, 6, 7], greedy(4))
+    ok = engine.add_request([5, 6, 7], greedy(4, ignore_eos=True))
     with pytest.raises(ValueError, match="blocks"):
-        engine.add_request([5] * 10, greedy(8))
+        engine.add_request([5] * 10, greedy(8, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
     assert len(engine.pop(ok).output_ids) == 4

@@ -3,6 +3,7 @@ import copy
 
 import pytest
 
+from helpers import compiling
 from minillm.perf import GPU_PEAKS, mbu, peak_for
 
 
@@ -65,15 +66,16 @@ def test_compile_parts_keeps_weights_names_and_logits(llama):
     from minillm.engine.graphs import compile_parts
     _, model = llama
     compiled = copy.deepcopy(model)
-    names = compile_parts(compiled)
-    c = model.config
-    assert len(names) == 3 * c.num_layers + 1 and names[-1] == "norm"
-    assert list(compiled.state_dict()) == list(model.state_dict())
-    ids = torch.tensor([[1, 5, 9, 13, 2]])
-    pos = torch.arange(5).unsqueeze(0)
-    with torch.inference_mode():
-        torch.testing.assert_close(compiled(ids, pos), model(ids, pos),
-                                   rtol=1e-4, atol=1e-4)
+    with compiling():  # torch.compile really compiled: no silent fallback to eager
+        names = compile_parts(compiled)
+        c = model.config
+        assert len(names) == 3 * c.num_layers + 1 and names[-1] == "norm"
+        assert list(compiled.state_dict()) == list(model.state_dict())
+        ids = torch.tensor([[1, 5, 9, 13, 2]])
+        pos = torch.arange(5).unsqueeze(0)
+        with torch.inference_mode():
+            torch.testing.assert_close(compiled(ids, pos), model(ids, pos),
+                                       rtol=1e-4, atol=1e-4)
 
 
 def test_quiet_native_stderr_silences_fd_2_and_restores_it(capfd):

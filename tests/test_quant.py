@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from minillm.engine import LLM
-from minillm.kvcache import generate
+from minillm.generate import generate
 from minillm.model import load_model
 from minillm.quant import (FbgemmLinear, Int8Int8Linear, Int8Linear, absmax_quantize,
                            bnb_missing, dequantize, fbgemm_missing, int8_layers_on_meta,
@@ -456,7 +456,7 @@ def test_perplexity_refuses_bad_input(shakespeare, ids, window):
 
 
 def test_int8_perplexity_is_close_to_float_on_held_out_text(shakespeare):
-    from minillm.bench_serving import heldout_ids, shakespeare_missing
+    from minillm.bench.workloads import heldout_ids, shakespeare_missing
     if shakespeare_missing(SHAKESPEARE):
         pytest.skip(shakespeare_missing(SHAKESPEARE))
     ids = heldout_ids(SHAKESPEARE)[:2048]

@@ -38,7 +38,7 @@ def test_the_libraries_write_into_the_sandbox():
 
 
 def test_the_random_model_folders_land_in_the_sandbox():
-    from minillm import bench
+    from minillm.bench import folders as bench
     folder = bench.random_model_folder("SmolLM2-135M", num_hidden_layers=1,
                                        intermediate_size=32, vocab_size=64)
     assert inside(folder)

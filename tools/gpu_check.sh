@@ -24,7 +24,7 @@ status=0
 steps="${STEPS:-bench unit chapters}"
 if [[ " $steps " == *" bench "* ]]; then
     for model in ${BENCH_MODELS:-SmolLM2-135M Llama-2-7B}; do
-        timeout "${BENCH_TIMEOUT:-400}" python3 -m minillm.bench_perf --model "$model" \
+        timeout "${BENCH_TIMEOUT:-400}" python3 -m minillm.bench decode --model "$model" \
             --batch 1 64 --compile --out "$out" 2>&1 | tail -20 | tee -a "$out/bench.txt"
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done

@@ -26,7 +26,7 @@ __all__ = ['default_buckets', 'GraphRunner', 'capture_all', 'run', 'enable_cuda_
 # %% ../../chapters/07_performance.ipynb #c42-graphs
 class GraphRunner:
     """Decode steps through one CUDA graph per (batch size, attention span) bucket;
-    everything else through the wrapped runner (chapter 4's or chapter 6's)."""
+    everything else through the wrapped runner (chapter 4's, on either backend)."""
 
     def __init__(self, runner, buckets: list[int], spans: list[int],
                  capture: bool | None = None):
@@ -63,7 +63,7 @@ def _buffers(self, key: tuple[int, int]) -> tuple:
     def z(*shape):
         return torch.zeros(*shape, dtype=torch.long, device=self.device)
     meta = StepMeta(positions=z(b, 1), logits_index=z(b), slot_mapping=z(b, 1),
-                    context_lens=z(b), block_tables=z(b, width), max_context=span)
+                    block_tables=z(b, width), max_context=span)
     ids = z(b, 1)
     _fill(self, ids, meta, None, None)
     return ids, meta
@@ -73,7 +73,6 @@ def _fill(self, ids, meta, new_ids, new_meta) -> None:
     """Copy a step's B rows into static buffers; the rows after B are padding."""
     B = 0 if new_ids is None else new_ids.shape[0]
     meta.slot_mapping[B:] = self.kv.pad_slot   # padding writes to the spare slot
-    meta.context_lens[B:] = 1                  # and attends to one position
     meta.positions[B:] = 0
     meta.block_tables[B:] = 0
     ids[B:] = 0
@@ -81,7 +80,6 @@ def _fill(self, ids, meta, new_ids, new_meta) -> None:
         ids[:B] = new_ids
         meta.positions[:B] = new_meta.positions
         meta.slot_mapping[:B] = new_meta.slot_mapping
-        meta.context_lens[:B] = new_meta.context_lens
         w = new_meta.block_tables.shape[1]
         meta.block_tables[:B, :w] = new_meta.block_tables
         meta.block_tables[:B, w:] = 0
@@ -143,8 +141,8 @@ def run(self, seqs: list, is_prefill: bool) -> list[int]:
         ids, meta, _ = self.static[key]
         self._fill(ids, meta, new_ids, new_meta)
         logits = _forward(self, ids, meta)
-    if hasattr(self.kv, "blocks"):             # chapter 6: what the forward wrote
-        self.kv.blocks.publish()               # may be shared now (Python, not graph)
+    self.kv.commit()                           # chapter 6: the blocks it filled may
+    #                                            be shared now (Python, not graph)
     return self.runner.sample(seqs, logits[:len(seqs), -1])
 
 

@@ -12,7 +12,7 @@ import torch
 
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .slots import SlotKVCache
+from ..kv.slots import SlotKVCache
 from ..sampling import SamplingParams
 from ..sequence import Sequence
 
@@ -95,23 +95,22 @@ class LLMEngine:
             kv_cache = "paged" if policy == "continuous" else "slots"
         if kv_cache == "paged":  # Chapter 6: blocks (num_blocks or kv_cache_bytes, ...)
             import inspect
-            from minillm.engine.paged import paged_parts
-            options = list(inspect.signature(paged_parts).parameters)[5:]
+            from minillm.kv.paged import paged_cache
+            options = list(inspect.signature(paged_cache).parameters)[4:]
             if set(paged) - set(options):
                 raise ValueError(f"{sorted(set(paged) - set(options))}: not an option "
                                  f"of LLMEngine; the paged cache takes {options}")
-            self.kv, self.scheduler, self.runner = paged_parts(
-                model, max_num_seqs, max_num_batched_tokens, max_model_len, policy,
-                **paged)
+            self.kv = paged_cache(model, max_num_seqs, max_model_len, policy, **paged)
         elif kv_cache == "slots":
             if paged:
                 raise ValueError(f"{sorted(paged)}: options of kv_cache='paged'")
             self.kv = SlotKVCache.from_model(model, max_num_seqs, max_model_len)
-            self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
-                                       policy)
-            self.runner = ModelRunner(model, self.kv)
         else:
             raise ValueError(f"kv_cache={kv_cache!r}: allowed 'slots' or 'paged'")
+        # one scheduler and one runner, for either backend
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
+                                   policy)
+        self.runner = ModelRunner(model, self.kv)
         self.requests: dict[str, Sequence] = {}  # every request not yet collected
         self.history: list[StepRecord] = []
         self._ids = itertools.count()
@@ -148,7 +147,7 @@ class LLMEngine:
         if len(seq.prompt_ids) > budget:
             raise ValueError(f"the prompt has {len(seq.prompt_ids)} tokens; a step "
                              f"holds at most max_num_batched_tokens={budget}")
-        if hasattr(self.scheduler, "preempt") and seq.max_tokens > budget:
+        if self.kv.grows_per_token and seq.max_tokens > budget:
             raise ValueError(f"prompt + max_new_tokens = {seq.max_tokens} tokens: "
                              "after a preemption (Chapter 6) they are computed again "
                              f"in one step; max_num_batched_tokens={budget} is less")

@@ -11,8 +11,9 @@ from ..sequence import Sequence, block_early_stop
 
 
 class ModelRunner:
-    """Turns a batch of sequences into one forward: builds the step's tensors
-    (input ids and a StepMeta), runs the model, samples one token per row."""
+    """Turns a batch of sequences into one forward: prepare the step's tensors (input
+    ids and a StepMeta), run the model, commit the step's K/V, sample one token per
+    row."""
 
     def __init__(self, model, kv):
         self.model, self.kv = model, kv
@@ -27,18 +28,21 @@ class ModelRunner:
         self.generators.pop(seq.request_id, None)
 
     def prepare_prefill(self, seqs: list[Sequence]):
-        """Every prompt in one forward, right-padded to the longest: [B, T]."""
-        T = max(len(s.prompt_ids) for s in seqs)
+        """Every row's tokens that have no K/V yet, right-padded to the longest: [B, T].
+        (All of a new request's prompt; after a preemption, everything it has.)"""
+        starts = [self.kv.num_computed(s) for s in seqs]
+        tokens = [s.prompt_ids + s.output_ids for s in seqs]
+        T = max(len(t) - c for t, c in zip(tokens, starts))
         pad = self.kv.pad_slot
-        ids, positions, slots = [], [], []
-        for s in seqs:
-            n = len(s.prompt_ids)
-            ids.append(s.prompt_ids + [0] * (T - n))
-            positions.append(list(range(n)) + [0] * (T - n))  # padding: position 0
-            slots.append(self.kv.slots(s, 0, n) + [pad] * (T - n))
-        lengths = [len(s.prompt_ids) for s in seqs]
-        return self._tensors(seqs, ids, positions, slots, lengths,
-                             [n - 1 for n in lengths])
+        ids, positions, slots, last = [], [], [], []
+        for s, toks, c in zip(seqs, tokens, starts):
+            n = len(toks) - c  # tokens to compute in this step
+            ids.append(toks[c:] + [0] * (T - n))
+            positions.append(list(range(c, len(toks))) + [0] * (T - n))  # pad: 0
+            slots.append(self.kv.slots(s, c, len(toks)) + [pad] * (T - n))
+            last.append(n - 1)
+        return self._tensors(seqs, ids, positions, slots, [len(t) for t in tokens],
+                             last)
 
     def prepare_decode(self, seqs: list[Sequence]):
         """One token per row: the last one generated. [B, 1]. A finished row (static
@@ -56,9 +60,11 @@ class ModelRunner:
     def _tensors(self, seqs, ids, positions, slots, lengths, logits_index):
         def t(x):
             return torch.tensor(x, dtype=torch.long, device=self.device)
-        meta = StepMeta(positions=t(positions), logits_index=t(logits_index),
-                        slot_mapping=t(slots), context_lens=t(lengths),
-                        block_tables=t([self.kv.block_table(s) for s in seqs]),
+        tables = [self.kv.block_table(s) for s in seqs]
+        width = max(len(b) for b in tables)
+        tables = [b + [0] * (width - len(b)) for b in tables]  # past a row's length:
+        meta = StepMeta(positions=t(positions), logits_index=t(logits_index),  # masked
+                        slot_mapping=t(slots), block_tables=t(tables),
                         max_context=max(lengths))
         return t(ids), meta
 
@@ -72,6 +78,7 @@ class ModelRunner:
         self.last_tokens = (input_ids.numel(), len(seqs) + int(meta.logits_index.sum())
                             if is_prefill else len(seqs))
         logits = self.model(input_ids, meta.positions, kv=self.kv, meta=meta)[:, -1]
+        self.kv.commit()  # every layer wrote: chapter 6 shares full blocks from now
         return self.sample(seqs, logits)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:

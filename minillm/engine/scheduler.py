@@ -23,7 +23,12 @@ class Scheduler:
     policy="continuous": admit waiting requests whenever there is room, and a finished
     request leaves at once. policy="static": admit a batch only when nobody runs, and
     keep every row of it in the batch until the longest has finished (the padding
-    rows that continuous batching removes)."""
+    rows that continuous batching removes).
+
+    Memory comes from the KV backend (minillm.kv.base.KVBackend). When it has no room
+    for a running request's next token (chapter 6's blocks), the newest running
+    request is preempted: its memory is freed and it goes back to the front of the
+    queue, to be computed again (vLLM's recompute preemption)."""
 
     def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "continuous"):
@@ -35,6 +40,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.forming = False  # static: the batch still takes requests
+        self.num_preemptions = 0
+        self.num_recomputed = 0  # tokens whose K/V preemption threw away
+        self.preempted: list[str] = []  # the request id of every preemption
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -52,28 +60,56 @@ class Scheduler:
                                 and len(self.running) < self.max_num_seqs)
         if admitted:
             return Batch(admitted, is_prefill=True)
+        self._make_room()
         if self.running:
             return Batch(list(self.running), is_prefill=False)
-        return None
+        return self.schedule() if self.waiting else None  # all preempted: admit
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
         longest = 0
-        while self.waiting:
+        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             seq = self.waiting[0]  # strict FIFO: nobody overtakes the head
-            longest_if = max(longest, len(seq.prompt_ids))
-            padded_tokens = (len(admitted) + 1) * longest_if  # the prefill is padded
-            if (len(self.running) + len(admitted) >= self.max_num_seqs
-                    or (admitted and padded_tokens > self.max_num_batched_tokens)
-                    or not self.kv.can_allocate(seq)):
+            todo = seq.num_tokens - self.kv.cached_tokens(seq)  # what it computes
+            padded_tokens = (len(admitted) + 1) * max(longest, todo)  # padded prefill
+            if admitted and padded_tokens > self.max_num_batched_tokens:
+                break
+            if not self.kv.can_allocate(seq):
                 break
             self.waiting.popleft()
             self.kv.allocate(seq)
             seq.status = RUNNING
             admitted.append(seq)
-            longest = longest_if
+            longest = max(longest, seq.num_tokens - self.kv.num_computed(seq))
         self.running += admitted
         return admitted
+
+    def _make_room(self) -> None:
+        """Room for every running request's next token, the oldest first; when there
+        is none, the newest running request gives way."""
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted for an older request just now
+            while not self.kv.can_append(seq):
+                victim = self.victim()
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.kv.append_slot(seq)
+
+    def victim(self) -> Sequence:
+        """Who gives way when memory runs out: the newest running request."""
+        return self.running[-1]
+
+    def preempt(self, seq: Sequence) -> None:
+        self.num_recomputed += seq.num_tokens - 1  # all but the newest token had K/V
+        self.preempted.append(seq.request_id)
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def finished(self, seq: Sequence) -> None:
         """A request ended (stop, length or abort): give its memory back now (static

@@ -6,11 +6,9 @@ from __future__ import annotations
 import torch
 
 from .blocks import BlockManager, check_block_size
-from .runner import ModelRunner
-from .scheduler import Batch, Scheduler
-from ..kvcache import KVCache, KVMemoryError, check_kv_fits
+from .contiguous import KVCache, KVMemoryError, check_kv_fits
 from ..model import StepMeta
-from ..sequence import RUNNING, WAITING, Sequence
+from ..sequence import Sequence
 
 
 def token_ids(seq: Sequence) -> list[int]:
@@ -24,6 +22,8 @@ class PagedKVCache(KVCache):
     The storage is chapter 3's, with rows of block_size positions: one row per block,
     so slot = block * block_size + offset. A BlockManager decides which blocks belong to
     which request; `gather` reads each request's blocks through its block table."""
+
+    grows_per_token = True  # a request takes a new block every block_size tokens
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int = 16,
@@ -96,6 +96,10 @@ class PagedKVCache(KVCache):
     def allocate(self, seq: Sequence) -> None:
         self.blocks.allocate(seq.request_id, token_ids(seq))
 
+    def cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of the request that the prefix cache holds (before allocate)."""
+        return len(self.blocks.cached_prefix(token_ids(seq))) * self.block_size
+
     def can_append(self, seq: Sequence) -> bool:
         return self.blocks.can_append(seq.request_id, seq.num_tokens)
 
@@ -124,14 +128,12 @@ class PagedKVCache(KVCache):
     def block_table(self, seq: Sequence) -> list[int]:
         return list(self.blocks.tables[seq.request_id])
 
-    # --- attention through block tables ---
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
-        out = super().attend(layer_idx, q, k, v, meta)
-        if layer_idx == len(self.k) - 1:  # every layer wrote: full blocks are shareable
-            self.blocks.publish()
-        return out
+    def commit(self) -> None:
+        """The step's forward wrote every layer: the blocks it filled are final, and
+        from now on other requests may share them (prefix caching)."""
+        self.blocks.publish()
 
+    # --- attention through block tables ---
     def gather(self, layer_idx: int, meta: StepMeta):
         """[B, kv_heads, S, head_dim]: each row's blocks, in table order, as one run of
         positions (a copy: the reference; a kernel would read the blocks in place)."""
@@ -151,115 +153,14 @@ class PagedKVCache(KVCache):
                 f"{self.nbytes / 2**20:.2f} MiB)")
 
 # %% auto #0
-__all__ = ['token_ids', 'PagedKVCache', 'PagedRunner', 'PagedScheduler', 'paged_parts']
-
-# %% ../../chapters/06_paged_attention.ipynb #c33-runner
-class PagedRunner(ModelRunner):
-    """Chapter 4's runner, for blocks: a prefill computes only the tokens that are not
-    cached yet (all of a request's tokens after a preemption), and block tables of
-    different lengths are padded."""
-
-    def prepare_prefill(self, seqs: list[Sequence]):
-        starts = [self.kv.num_computed(s) for s in seqs]
-        tokens = [token_ids(s) for s in seqs]
-        T = max(len(t) - c for t, c in zip(tokens, starts))
-        pad = self.kv.pad_slot
-        ids, positions, slots, lengths, last = [], [], [], [], []
-        for s, toks, c in zip(seqs, tokens, starts):
-            n = len(toks) - c  # tokens to compute in this step
-            ids.append(toks[c:] + [0] * (T - n))
-            positions.append(list(range(c, len(toks))) + [0] * (T - n))
-            slots.append(self.kv.slots(s, c, len(toks)) + [pad] * (T - n))
-            lengths.append(len(toks))
-            last.append(n - 1)
-        return self._tensors(seqs, ids, positions, slots, lengths, last)
-
-    def _tensors(self, seqs, ids, positions, slots, lengths, logits_index):
-        def t(x):
-            return torch.tensor(x, dtype=torch.long, device=self.device)
-        tables = [self.kv.block_table(s) for s in seqs]
-        width = max(len(b) for b in tables)
-        tables = [b + [0] * (width - len(b)) for b in tables]  # block 0: masked out
-        meta = StepMeta(positions=t(positions), logits_index=t(logits_index),
-                        slot_mapping=t(slots), context_lens=t(lengths),
-                        block_tables=t(tables), max_context=max(lengths))
-        return t(ids), meta
-
-# %% ../../chapters/06_paged_attention.ipynb #c35-scheduler
-class PagedScheduler(Scheduler):
-    """Chapter 4's continuous scheduler on blocks. A request is admitted when its
-    blocks are free; before each decode step every running request gets room for its
-    next token, and when no block is free the newest running request is preempted:
-    its blocks are freed and it goes back to the front of the queue, to be computed
-    again (vLLM's recompute preemption)."""
-
-    def __init__(self, kv: PagedKVCache, max_num_seqs: int,
-                 max_num_batched_tokens: int):
-        super().__init__(kv, max_num_seqs, max_num_batched_tokens, "continuous")
-        self.num_preemptions = 0
-        self.num_recomputed = 0  # tokens whose K/V preemption threw away
-        self.preempted: list[str] = []  # the request id of every preemption
-
-    def schedule(self) -> Batch | None:
-        admitted = self._admit()
-        if admitted:
-            return Batch(admitted, is_prefill=True)
-        for seq in list(self.running):  # the oldest first
-            if seq not in self.running:
-                continue  # preempted for an older request just now
-            while not self.kv.can_append(seq):
-                victim = self.victim()
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                self.kv.append_slot(seq)
-        if self.running:
-            return Batch(list(self.running), is_prefill=False)
-        return self.schedule() if self.waiting else None
-
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        longest = 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
-            seq = self.waiting[0]
-            todo = seq.num_tokens - self._cached(seq)
-            longest_if = max(longest, todo)
-            padded = (len(admitted) + 1) * longest_if  # the prefill is padded
-            if admitted and padded > self.max_num_batched_tokens:
-                break
-            if not self.kv.can_allocate(seq):
-                break
-            self.waiting.popleft()
-            self.kv.allocate(seq)
-            seq.status = RUNNING
-            admitted.append(seq)
-            longest = max(longest, seq.num_tokens - self.kv.num_computed(seq))
-        self.running += admitted
-        return admitted
-
-    def _cached(self, seq: Sequence) -> int:
-        return len(self.kv.blocks.cached_prefix(token_ids(seq))) * self.kv.block_size
-
-    def victim(self) -> Sequence:
-        """Who gives way when the pool is empty: the newest running request."""
-        return self.running[-1]
-
-    def preempt(self, seq: Sequence) -> None:
-        self.num_recomputed += seq.num_tokens - 1  # all but the newest token had K/V
-        self.preempted.append(seq.request_id)
-        self.running.remove(seq)
-        self.kv.free(seq)
-        seq.status = WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+__all__ = ['token_ids', 'PagedKVCache', 'paged_cache']
 
 # %% ../../chapters/06_paged_attention.ipynb #c37-parts
-def paged_parts(model, max_num_seqs: int, max_num_batched_tokens: int,
-                max_model_len: int, policy: str = "continuous",
-                num_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                block_size: int = 16, enable_prefix_caching: bool = True):
-    """The KV cache, scheduler and runner of LLMEngine(kv_cache="paged"). The pool is
+def paged_cache(model, max_num_seqs: int, max_model_len: int,
+                policy: str = "continuous", num_blocks: int | None = None,
+                kv_cache_bytes: int | None = None, block_size: int = 16,
+                enable_prefix_caching: bool = True) -> PagedKVCache:
+    """The KV pool of LLMEngine(kv_cache="paged"). The pool is
     num_blocks blocks, or as many as fit in kv_cache_bytes; neither: as many positions
     as chapter 4's slots would reserve (max_num_seqs x max_model_len)."""
     if policy != "continuous":
@@ -275,5 +176,4 @@ def paged_parts(model, max_num_seqs: int, max_num_batched_tokens: int,
     else:
         kv = PagedKVCache.from_model(model, num_blocks, kv_cache_bytes, block_size,
                                      enable_prefix_caching)
-    return (kv, PagedScheduler(kv, max_num_seqs, max_num_batched_tokens),
-            PagedRunner(model, kv))
+    return kv

@@ -1,0 +1,198 @@
+"""The package's layout (issue 22): KV backends behind one interface, one scheduler and
+one runner for all of them, benchmarks out of the engine's way, one CSV writer."""
+from __future__ import annotations
+
+import ast
+import csv
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm.bench import results
+from minillm.bench.cli import BENCHMARKS, dispatch
+from minillm.engine import LLMEngine
+from minillm.engine.runner import ModelRunner
+from minillm.engine.scheduler import Scheduler
+from minillm.kv.base import KVBackend
+from minillm.kv.paged import PagedKVCache
+from minillm.kv.slots import SlotKVCache
+from minillm.model import StepMeta, load_model
+from minillm.sampling import SamplingParams
+from minillm.utils import bundled_model_path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
+SHARED = {"cli", "measure", "results", "folders", "workloads"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every minillm module that `path` imports (relative imports resolved)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parts[:len(parts) - node.level]
+                name = ".".join(base + ((node.module,) if node.module else ()))
+            else:
+                name = node.module or ""
+            out.add(name)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m == "minillm" or m.startswith("minillm.")}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(bundled_model_path())
+
+
+def test_no_benchmark_module_at_the_top_level():
+    assert not sorted(p.name for p in PACKAGE.glob("bench*.py"))
+    assert (PACKAGE / "bench" / "__main__.py").is_file()
+
+
+def test_nothing_outside_bench_imports_it():
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name == "bench":
+            continue
+        bad = {m for m in imported_modules(path) if m.startswith("minillm.bench")}
+        assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
+
+
+def test_each_chapter_benchmark_imports_only_the_shared_modules():
+    for name in BENCHMARKS:
+        used = {m.split(".")[2] for m in imported_modules(PACKAGE / "bench" / f"{name}.py")
+                if m.startswith("minillm.bench.")}
+        assert used <= SHARED, f"bench/{name}.py imports {used - SHARED}"
+    for name in SHARED:  # and the shared ones import no chapter's benchmark
+        used = {m.split(".")[2] for m in imported_modules(PACKAGE / "bench" / f"{name}.py")
+                if m.startswith("minillm.bench.")}
+        assert used <= SHARED, f"bench/{name}.py imports {used - SHARED}"
+
+
+def protocol_members() -> list[str]:
+    return [n for n in dir(KVBackend) if not n.startswith("_")
+            and n not in ("pad_slot", "prefix_caching", "grows_per_token")]
+
+
+@pytest.mark.parametrize("backend", ["slots", "paged"])
+def test_every_backend_implements_the_whole_interface(model, backend):
+    kv = (SlotKVCache.from_model(model, 2, 64) if backend == "slots"
+          else PagedKVCache.from_model(model, num_blocks=8, block_size=4))
+    assert isinstance(kv, KVBackend)
+    assert isinstance(kv.pad_slot, int) and isinstance(kv.prefix_caching, bool)
+    assert kv.grows_per_token is (backend == "paged")
+    members = protocol_members()
+    assert {"attend", "can_allocate", "commit", "num_computed", "slots"} <= set(members)
+    for name in members:
+        ours, theirs = getattr(type(kv), name), getattr(KVBackend, name)
+        if isinstance(theirs, property):
+            assert isinstance(ours, property), name
+            continue
+        want = list(inspect.signature(theirs).parameters)
+        assert list(inspect.signature(ours).parameters) == want, name
+
+
+def test_a_class_missing_one_call_is_not_a_backend(model):
+    class NoCommit(SlotKVCache):
+        commit = None  # what isinstance sees when a backend lacks it
+    kv = NoCommit.from_model(model, 2, 64)
+    assert not isinstance(kv, KVBackend)
+
+
+@pytest.mark.parametrize("backend", ["slots", "paged"])
+def test_one_scheduler_and_one_runner_serve_every_backend(model, backend):
+    engine = LLMEngine(model, max_num_seqs=4, max_model_len=128, kv_cache=backend)
+    assert type(engine.scheduler) is Scheduler and type(engine.runner) is ModelRunner
+    assert engine.scheduler.kv is engine.kv is engine.runner.kv
+
+
+def test_step_meta_has_no_unread_fields():
+    assert "context_lens" not in StepMeta.__dataclass_fields__
+
+
+def test_blocks_are_published_when_the_runner_commits_not_during_the_forward(model):
+    """A prefix block becomes shareable only after the whole forward wrote it."""
+    engine = LLMEngine(model, max_num_seqs=2, max_model_len=128, kv_cache="paged",
+                       num_blocks=32, block_size=4)
+    blocks = engine.kv.blocks
+    commits = []
+    real_commit = engine.kv.commit
+
+    def commit():
+        commits.append(dict(blocks.pending))  # what the forward left to publish
+        real_commit()
+        assert not blocks.pending
+    engine.kv.commit = commit
+    params = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    engine.add_request(list(range(1, 14)), params)  # 3 full blocks of 4
+    engine.step()  # the prefill
+    assert commits and sum(len(v) for v in commits[0].values()) == 3
+    assert len(blocks.cached) == 3  # published by commit
+    # the forward alone publishes nothing
+    kv = PagedKVCache.from_model(model, num_blocks=8, block_size=4)
+    assert kv.blocks.allocate("a", list(range(1, 10))) == 0
+    table = kv.blocks.tables["a"]
+    meta = StepMeta(positions=torch.arange(9)[None], logits_index=torch.tensor([8]),
+                    slot_mapping=torch.tensor([[table[p // 4] * 4 + p % 4
+                                                for p in range(9)]]),
+                    block_tables=torch.tensor([table]), max_context=9)
+    with torch.inference_mode():
+        model(torch.arange(1, 10)[None], meta.positions, kv=kv, meta=meta)
+    assert not kv.blocks.cached and kv.blocks.pending
+    kv.commit()
+    assert len(kv.blocks.cached) == 2 and not kv.blocks.pending
+
+
+def test_the_bench_command_names_every_benchmark(capsys):
+    assert dispatch(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in BENCHMARKS)
+    assert dispatch([]) == 2
+    assert dispatch(["bench_serving"]) == 2
+    err = capsys.readouterr().err
+    assert "'bench_serving' is not a benchmark" in err and "serving" in err
+
+
+def test_python_dash_m_runs_each_benchmark_through_its_module():
+    for name in BENCHMARKS:
+        done = subprocess.run([sys.executable, "-m", "minillm.bench", name, "--help"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert f"python -m minillm.bench {name}" in done.stdout
+
+
+def test_rows_table_takes_the_union_of_keys_and_rounds_floats():
+    rows = [{"a": 1.23456789, "b": "x"}, {"a": 2.0, "c": 3}]
+    assert results.rows_table(rows, {"hw": "cpu"}) == [
+        ["a", "b", "c", "hw"], [1.234568, "x", "", "cpu"], [2.0, "", 3, "cpu"]]
+    assert results.rows_table(rows, digits=None)[1][0] == 1.23456789
+
+
+def test_file_stem_keeps_only_safe_characters():
+    assert results.file_stem("serve", "My Model/v2", "cpu", "rate4") == \
+        "serve_my-model-v2_cpu_rate4"
+    assert results.file_stem("kv", "...", "cuda") == "kv_model_cuda"
+
+
+def test_write_csvs_writes_all_or_nothing(tmp_path):
+    old = tmp_path / "first.csv"
+    old.write_text("old\n")
+
+    class Bad:
+        def __str__(self):
+            raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        results.write_csvs(tmp_path, {"first": [["new"]], "second": [[Bad()]]})
+    assert old.read_text() == "old\n"  # the first file was not replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first.csv"]  # no temp files
+    paths = results.write_csvs(tmp_path, {"first": [["a", "b"], [1, 2]],
+                                          "second": [["c"]]})
+    assert [p.name for p in paths] == ["first.csv", "second.csv"]
+    with open(paths[0], newline="") as f:
+        assert list(csv.reader(f)) == [["a", "b"], ["1", "2"]]
+    assert oct(paths[0].stat().st_mode & 0o777) == "0o644"
