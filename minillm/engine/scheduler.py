@@ -70,10 +70,11 @@ class Scheduler:
         longest = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             seq = self.waiting[0]  # strict FIFO: nobody overtakes the head
-            todo = seq.num_tokens - self.kv.cached_tokens(seq)  # what it computes
-            padded_tokens = (len(admitted) + 1) * max(longest, todo)  # padded prefill
-            if admitted and padded_tokens > self.max_num_batched_tokens:
-                break
+            if admitted:  # the first one always fits; then the padded prefill
+                todo = seq.num_tokens - self.kv.cached_tokens(seq)  # to compute
+                padded = (len(admitted) + 1) * max(longest, todo)
+                if padded > self.max_num_batched_tokens:
+                    break
             if not self.kv.can_allocate(seq):
                 break
             self.waiting.popleft()
