@@ -24,14 +24,15 @@ help:  ## list the targets
 # The environment is requirements.lock, exactly (every distribution, transitive ones
 # included): `make lock` re-resolves it from constraints.txt and pyproject.toml's extras;
 # tests/test_lock.py fails when what is installed differs from it.
-$(STAMP): pyproject.toml requirements.lock
+$(STAMP): pyproject.toml requirements.lock requirements-nodeps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$$(grep -m1 '^pip==' requirements.lock)"
 	$(if $(TORCH_INDEX),$(PIP) install -q -c requirements.lock torch --index-url $(TORCH_INDEX))
 	$(PIP) install -q -r requirements.lock
 	$(PIP) install -q --no-deps -e .
+	$(PIP) install -q --no-deps -r requirements-nodeps.txt
 	$(PY) tools/lock.py --sync
-	$(PIP) check
+	$(PY) tools/lock.py --check
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 

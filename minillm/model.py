@@ -425,31 +425,27 @@ class Transformer(nn.Module):
 
 # %% ../chapters/02_naive_loop.ipynb #c026
 def resolve_folder(path: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a Hugging Face Hub repo id, downloaded."""
+    """A local folder as is; a GGUF file converted once (section 11); otherwise a
+    Hugging Face Hub repo id: downloaded, or its local copy when the Hub is out of
+    reach (section 11)."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path is a {type(path).__name__}; give a folder or a Hub "
                          "repo id")
     folder = Path(path).expanduser()
     if folder.is_dir():
         return folder
+    if folder.is_file() and folder.suffix == ".gguf":
+        from minillm.gguf import gguf_folder
+        return gguf_folder(folder)
     name = str(path)
     looks_like_repo_id = (name.count("/") == 1 and not folder.exists()
                           and not name.startswith((".", "/", "~")))
     if not looks_like_repo_id:
         raise FileNotFoundError(f"model folder {name!r} does not exist (expected a "
-                                "folder with config.json and *.safetensors, or a "
-                                "Hugging Face repo id like 'org/name')")
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        raise FileNotFoundError(f"{name!r} is not a local folder, and HF_HUB_OFFLINE "
-                                "is set so it cannot be downloaded; pass a local "
-                                "folder or unset HF_HUB_OFFLINE")
-    try:
-        from huggingface_hub import snapshot_download
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
-    except Exception as e:  # no network, unknown repo, gated repo ...
-        raise FileNotFoundError(f"could not download {name!r} from the Hugging Face "
-                                f"Hub ({type(e).__name__}: {e}); are you offline? pass "
-                                "a local folder instead") from e
+                                "folder with config.json and *.safetensors, a .gguf "
+                                "file, or a Hugging Face repo id like 'org/name')")
+    from minillm.gguf import hub_folder
+    return hub_folder(name)
 
 
 def safetensors_files(folder: Path) -> list[Path]:

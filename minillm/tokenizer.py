@@ -191,7 +191,8 @@ class Tokenizer:
                  decoders: Sequence[dict] = (BYTE_LEVEL_DECODER,),
                  byte_fallback: bool = False, unk_token: str | None = None,
                  fuse_unk: bool = False, ignore_merges: bool = False,
-                 model_max_length: int | None = None):
+                 model_max_length: int | None = None,
+                 chat_template: str | None = None):
         self.vocab = dict(vocab)
         self.merges = [tuple(m) for m in merges]
         self.special = dict(special or {})
@@ -209,6 +210,7 @@ class Tokenizer:
         self.byte_fallback, self.unk_token = byte_fallback, unk_token
         self.fuse_unk, self.ignore_merges = fuse_unk, ignore_merges
         self.model_max_length = model_max_length
+        self.chat_template = chat_template  # Jinja2 text (section 13), or None
         for name in (bos_token, eos_token, pad_token, *(prefix_tokens or ()),
                      *suffix_tokens):
             if name is not None and name not in self.special:
@@ -746,6 +748,8 @@ def _save(self, folder: str | Path) -> Path:
         "clean_up_tokenization_spaces": False,
         "model_max_length": self.model_max_length or 1_000_000_000,
     }
+    if self.chat_template is not None:
+        config["chat_template"] = self.chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n",
                                                   encoding="utf-8")
     return folder
@@ -1029,12 +1033,31 @@ def _class_rules(args: dict, config: dict) -> dict:
                      "PreTrainedTokenizerFast")
 
 
+def _read_chat_template(config: dict, folder: Path) -> str | None:
+    "The chat template: chat_template.jinja (transformers 5), or tokenizer_config's."
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the one called "default"
+        template = next((t.get("template") for t in template if isinstance(t, dict)
+                         and t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"tokenizer_config.json: chat_template is {template!r}, not "
+                         "a Jinja2 string")
+    return template
+
+
 @classmethod
 def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
     """Load a `tokenizer.json` (a file, or the folder that holds it), with the BOS, EOS
     and PAD names of `tokenizer_config.json` when there is one. Gives the same ids as
-    Hugging Face, or raises `TokenizerFileError` naming the field we lack."""
-    folder = Path(folder)
+    Hugging Face, or raises `TokenizerFileError` naming the field we lack. A GGUF file
+    or a Hub name goes through Chapter 2's `resolve_folder` first."""
+    folder, name = Path(folder), str(folder)
+    repo_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if folder.suffix == ".gguf" or (repo_id and not folder.exists()):
+        from minillm.model import resolve_folder  # Chapter 2
+        folder = resolve_folder(name)
     path = folder / "tokenizer.json" if folder.is_dir() else folder
     if not path.is_file():
         where = "" if folder.exists() else f" ({folder} does not exist)"
@@ -1056,7 +1079,8 @@ def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
         ok = type(max_len) is int and max_len < 10**12
         return cls(**args, **{k: t if t in special else None for k, t in
                               zip(("bos_token", "eos_token", "pad_token"), names)},
-                   model_max_length=max_len if ok else None)
+                   model_max_length=max_len if ok else None,
+                   chat_template=_read_chat_template(config, path.parent))
     except TokenizerFileError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -1118,3 +1142,67 @@ class IncrementalDecoder:
         if self._how["byte_level"]:
             return self._utf8.decode(b"", final=True)
         return self._emit(self._flush_bytes())
+
+# %% ../chapters/01_tokenizer.ipynb #c061
+def _chat_environment():
+    """Jinja2 set up as transformers renders chat templates: a sandbox (a template
+    is code from a model repo), trimmed blocks, and the helpers templates call."""
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env
+
+
+def _check_messages(messages) -> list[dict]:
+    "A conversation: a list of {'role': str, 'content': str}; ValueError otherwise."
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages={messages!r}: give a non-empty list of "
+                         "{'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise ValueError(f"messages[{i}] is {m!r}: each message is a dict with "
+                             "a 'role' and a 'content' string")
+    return [dict(m) for m in messages]
+
+
+def _apply_chat_template(self, messages, add_generation_prompt: bool = False,
+                         tokenize: bool = True, chat_template: str | None = None,
+                         **kwargs):
+    """A conversation as the model was trained to read it: the model's own template
+    (or `chat_template`) rendered with Jinja2, then encoded without adding BOS (the
+    template writes its special tokens itself). tokenize=False returns the text."""
+    import jinja2
+    template = chat_template or self.chat_template
+    if template is None:
+        raise ValueError("this tokenizer has no chat template (its tokenizer_config."
+                         "json has no 'chat_template'): pass chat_template=..., or "
+                         "encode the prompt as plain text")
+    messages = _check_messages(messages)
+    names = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+             "pad_token": self.pad_token, "unk_token": self.unk_token}
+    try:
+        text = _chat_environment().from_string(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            tools=None, documents=None, **{k: v or "" for k, v in names.items()},
+            **kwargs)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed: {e}") from None
+    return self.encode(text, add_special_tokens=False) if tokenize else text
+
+Tokenizer.apply_chat_template = _apply_chat_template
+

