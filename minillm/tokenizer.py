@@ -1150,6 +1150,7 @@ def _chat_environment():
     from datetime import datetime
 
     import jinja2
+    import jinja2.ext  # not imported by `import jinja2`
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):

@@ -390,3 +390,18 @@ def test_llm_chat_answers_like_transformers(smollm2):
     with pytest.raises(ValueError, match="messages"):
         llm.chat([[{"role": "user", "content": "fine"}], [{"role": "user"}]], greedy)
     assert not llm.engine.requests  # the bad conversation queued nothing
+
+
+def test_chat_template_needs_nothing_else_imported_first():
+    """transformers imports jinja2.ext; a fresh process without it must work too."""
+    import subprocess
+    import sys
+    code = ("import sys; from minillm.tokenizer import Tokenizer; "
+            "from minillm.utils import bundled_model_path; "
+            "t = Tokenizer.from_pretrained(bundled_model_path()); "
+            f"print(t.apply_chat_template([{{'role': 'user', 'content': 'hi'}}], "
+            f"chat_template={CHATML!r}, tokenize=False), end=''); "
+            "assert 'transformers' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "<|im_start|>user\nhi<|im_end|>\n"
