@@ -25,7 +25,8 @@ def memory_triage(config, requests: int, seq_len: int, prompt_len: int,
             "activations": prompt_len * config.vocab_size * 4}
 
 # %% auto #0
-__all__ = ['memory_triage', 'repeated_share', 'input_lengths', 'eos_probability']
+__all__ = ['memory_triage', 'repeated_share', 'input_lengths', 'eos_probability', 'stop_cause', 'answer_loss',
+           'chat_prompt_problems']
 
 # %% ../chapters/08_troubleshooting.ipynb #c41-repeat
 def repeated_share(ids: list[int], n: int = 4) -> float:
@@ -73,3 +74,124 @@ def eos_probability(model, prompt_ids: list[int], answer_ids: list[int],
         logits = model(x, torch.arange(len(ids), device=device)[None])[0]
     steps = logits[len(prompt_ids) - 1:-1].float() / temperature
     return steps.softmax(-1)[:, eos].sum(-1).cpu()
+
+# %% ../chapters/08_troubleshooting.ipynb #c5sb-early
+def stop_cause(output, params, model) -> str:
+    """Which rule ended a finished answer, in more detail than finish_reason:
+    'max_new_tokens=N', 'stop id N', 'EOS (id N)' or "stop string '...'".
+    `output`: a CompletionOutput (or a Sequence); `params`: its SamplingParams;
+    `model`: the model or its config (for the EOS ids). An aborted or failed
+    answer gives its finish_reason."""
+    reason = output.finish_reason
+    if reason is None:
+        raise ValueError("the answer has not finished: it has no stop cause")
+    if reason == "length":
+        return f"max_new_tokens={params.max_new_tokens}"
+    if reason != "stop":
+        return reason  # "abort" or "error"
+    ids = getattr(output, "token_ids", None)
+    ids = output.output_ids if ids is None else ids
+    if not ids:
+        raise ValueError("finish_reason 'stop' and no token: nothing to read")
+    last, eos = ids[-1], getattr(model, "config", model).eos_token_ids
+    if last in params.stop_token_ids:
+        return f"stop id {last}"
+    if last in eos and not params.ignore_eos:
+        return f"EOS (id {last})"
+    text = output.text
+    fired = [s for s in params.stop if s in text]
+    if fired:  # the engine stopped right after the one that ends last
+        last_one = max(fired, key=lambda s: text.rfind(s) + len(s))
+        return f"stop string {last_one!r}"
+    raise ValueError(f"finish_reason 'stop', but the last id {last} is not EOS "
+                     f"{list(eos)} nor a stop id, and the text holds none of "
+                     f"stop={list(params.stop)}: are these its params?")
+
+# %% ../chapters/08_troubleshooting.ipynb #c5ta-format
+def answer_loss(model, prompt_ids: list[int], answer_ids: list[int]) -> float:
+    """The mean loss (negative log-likelihood, nats per token) of `answer_ids`
+    right after `prompt_ids`: low when the prompt makes that answer likely.
+    One forward."""
+    ids = list(prompt_ids) + list(answer_ids)
+    vocab = model.config.vocab_size
+    if not prompt_ids or not answer_ids:
+        raise ValueError("give a non-empty prompt and a non-empty answer")
+    if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+        raise ValueError(f"all ids must be ints in [0, {vocab})")
+    device = model.embed_tokens.weight.device
+    x = torch.tensor([ids], device=device)
+    with torch.inference_mode():
+        logits = model(x, torch.arange(len(ids), device=device)[None])[0]
+    n = len(prompt_ids)
+    loss = torch.nn.functional.cross_entropy(logits[n - 1:-1].float(), x[0, n:])
+    return loss.item()
+
+# %% ../chapters/08_troubleshooting.ipynb #c5za-format
+_PROBE = "minillm-probe-4711"  # a user message that no chat template rewrites
+_TEMPLATE_FIX = ("write it with tokenizer.apply_chat_template(messages, "
+                "add_generation_prompt=True)")
+
+
+def _marker_names(tokenizer) -> set[str]:
+    "The special and added tokens' texts (a minillm or transformers tokenizer)."
+    names = [*getattr(tokenizer, "special", {}),
+             *getattr(tokenizer, "added", {}),
+             *getattr(tokenizer, "all_special_tokens", []),
+             *getattr(tokenizer, "added_tokens_encoder", {})]
+    return {n for n in names if isinstance(n, str) and n}
+
+
+def chat_prompt_problems(tokenizer, prompt) -> list[str]:
+    """Why a chat model may not answer `prompt` (text, or token ids): each
+    failed check as a sentence, [] when the prompt is in the format of the
+    tokenizer's chat template. The reference is the template rendered for a
+    probe message: the end of a user's turn and the generation prompt, the
+    markers as special tokens, BOS once."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return ["the tokenizer has no chat template: a base model needs none; "
+                "for a chat model it is missing (tokenizer_config.json's "
+                "'chat_template', or chat_template.jinja): load the tokenizer "
+                "from the model's own folder"]
+    ids = None if isinstance(prompt, str) else [int(i) for i in prompt]
+    text = prompt if ids is None else tokenizer.decode(ids)
+    probe = [{"role": "user", "content": _PROBE}]
+    turn, full = (tokenizer.apply_chat_template(
+        probe, add_generation_prompt=g, tokenize=False) for g in (False, True))
+    if _PROBE not in full:
+        raise ValueError("the chat template does not write a message's content "
+                         "as it is: a prompt cannot be compared with it")
+    after = full[full.rindex(_PROBE) + len(_PROBE):]  # end of turn, opening
+    opening = full[len(turn):] if full.startswith(turn) else ""
+    markers = sorted((m for m in _marker_names(tokenizer) if m in full),
+                     key=full.find)
+    problems = []
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    if (ids[:2] == [bos_id] * 2 if ids is not None
+            else bool(bos) and text.startswith(2 * bos)):
+        problems.append(f"the prompt starts with BOS twice ({bos!r}): the "
+                        "template writes it and encode adds another; encode "
+                        "the template's text with add_special_tokens=False")
+    if ids is not None:
+        split = [m for m in markers if m in text and not set(
+            tokenizer.encode(m, add_special_tokens=False)) <= set(ids)]
+        if split:
+            problems.append(f"the markers {split} are in the prompt as "
+                            "plain text, not as their special tokens: encode "
+                            "with special tokens parsed (parse_special=True)")
+    if not text.endswith(after):
+        end_of_turn = after[:len(after) - len(opening)] if opening else ""
+        body = text[len(bos):] if bos and text.startswith(bos) else text
+        if markers and not any(m in body for m in markers):  # BOS aside
+            problems.append("the prompt holds none of the chat template's "
+                            f"markers ({', '.join(markers)}): it is bare text, "
+                            "which the model was not trained to answer; "
+                            + _TEMPLATE_FIX)
+        elif end_of_turn and text.endswith(end_of_turn):
+            problems.append("the prompt ends the user's turn but does not "
+                            "open the answer with the generation prompt "
+                            f"{opening!r}: pass add_generation_prompt=True")
+        else:
+            problems.append("the prompt does not end as the chat template "
+                            f"ends a user's message ({after!r}): unless it "
+                            "continues an answer on purpose, " + _TEMPLATE_FIX)
+    return problems
