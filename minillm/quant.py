@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -13,9 +14,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['MODES', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'int8_matmul', 'Int8Int8Linear',
-           'fbgemm_missing', 'FbgemmLinear', 'is_quantized', 'import_bitsandbytes', 'bnb_missing', 'bnb_from_linear',
-           'quantize', 'perplexity', 'int8_layers_on_meta']
+__all__ = ['MODES', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'exact_int8_matmul', 'int8_matmul',
+           'Int8Int8Linear', 'fbgemm_missing', 'FbgemmLinear', 'is_quantized', 'import_bitsandbytes', 'bnb_missing',
+           'bnb_from_linear', 'quantize', 'checked_ids', 'perplexity', 'int8_layers_on_meta', 'activation_absmax',
+           'smooth_groups', 'smooth', 'gguf_quantize', 'gguf_round_trip']
 
 # %% ../chapters/05_int8.ipynb #c11-absmax
 def absmax_quantize(w: torch.Tensor, group_size: int | None = None
@@ -106,6 +108,7 @@ class Int8Linear(nn.Module):
 
 # %% ../chapters/05_int8.ipynb #c31-int8int8
 _INT_MM_WORKS: dict[str, bool] = {}
+_exact_blocks = 0  # how many `with exact_int8_matmul():` blocks are open
 
 
 def int_mm_works(device) -> bool:
@@ -120,18 +123,35 @@ def int_mm_works(device) -> bool:
     return _INT_MM_WORKS[kind]
 
 
+@contextmanager
+def exact_int8_matmul():
+    """Within the block, int8_matmul multiplies CPU tensors in float, exactly:
+    the same int32 sums as torch._int_mm, and on a CPU without int8 dot
+    products (VNNI, AMX) many times faster than its plain loop. GPUs keep
+    torch._int_mm."""
+    global _exact_blocks
+    _exact_blocks += 1
+    try:
+        yield
+    finally:
+        _exact_blocks -= 1
+
+
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] int8 @ b [K, N] int8 -> int32 [M, N]; torch._int_mm where it runs."""
     M, K = a.shape
     N = b.shape[1]
-    if a.device.type == "cpu" and int_mm_works(a.device):
+    if a.device.type == "cpu" and not _exact_blocks and int_mm_works(a.device):
         return torch._int_mm(a, b)
     if a.device.type == "cuda" and K % 8 == 0 and N % 8 == 0 and int_mm_works(a.device):
         rows = max(M, 17)  # CUDA's _int_mm needs more than 16 rows: pad with zeros
         padded = torch.zeros(rows, K, dtype=torch.int8, device=a.device)
         padded[:M] = a
         return torch._int_mm(padded, b.contiguous())[:M]
-    return (a.double() @ b.double()).to(torch.int32)  # exact: |sums| << 2**53
+    # exact in float: every sum is an integer of at most 128 * 128 * K, and
+    # float32 holds every integer up to 2**24 (K <= 1024), float64 to 2**53
+    exact = torch.float32 if 128 * 128 * K <= 2**24 else torch.float64
+    return (a.to(exact) @ b.to(exact)).to(torch.int32)
 
 
 class Int8Int8Linear(Int8Linear):
@@ -309,7 +329,9 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
                                        or linear.in_features % group_size):
             raise ValueError(f"group_size={group_size!r} does not divide "
                              f"{name}.in_features={linear.in_features}")
-        if not torch.isfinite(linear.weight).all():  # a scale of inf or NaN is no scale
+        w = linear.weight.detach()  # NaN and inf show in the extremes
+        low, high = torch.aminmax(w) if w.numel() else (0.0, 0.0)
+        if not (math.isfinite(low) and math.isfinite(high)):  # no scale
             raise ValueError(f"{name}.weight holds NaN or inf: quantizing would hide "
                              "that; check the checkpoint (torch.isfinite)")
     for name, linear in targets:
@@ -325,10 +347,9 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
     return model
 
 # %% ../chapters/05_int8.ipynb #c54-eval
-@torch.no_grad()
-def perplexity(model: nn.Module, ids: list[int] | torch.Tensor,
-               window: int = 256) -> float:
-    """exp(mean negative log-likelihood) of `ids`, read `window` tokens at a time."""
+def checked_ids(model: nn.Module, ids, window) -> torch.Tensor:
+    """`ids` as a 1-D tensor of token ids, after checking them and `window`
+    against the model (a ValueError names the bad value)."""
     if isinstance(ids, (str, bytes)):
         raise ValueError(f"ids={ids!r:.30}: give token ids (encode the text first)")
     ids = torch.as_tensor(ids)
@@ -346,6 +367,14 @@ def perplexity(model: nn.Module, ids: list[int] | torch.Tensor,
     if ids.numel() < 2 or not isinstance(window, int) or window < 2:
         raise ValueError(f"need at least 2 token ids and window >= 2; got "
                          f"{ids.numel()} ids, window={window!r}")
+    return ids
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, ids: list[int] | torch.Tensor,
+               window: int = 256) -> float:
+    """exp(mean negative log-likelihood) of `ids`, read `window` tokens at a time."""
+    ids = checked_ids(model, ids, window)
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for start in range(0, ids.numel() - 1, window):
@@ -386,3 +415,199 @@ def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
         setattr(parent, child, layer)
         fill[f"{name}.weight"] = layer.load_float
     return fill
+
+# %% ../chapters/05_int8.ipynb #s10-absmax
+@torch.no_grad()
+def activation_absmax(model: nn.Module, ids: list[int] | torch.Tensor,
+                      window: int = 256) -> dict[str, torch.Tensor]:
+    """Calibration: the largest |x| of every input channel of every nn.Linear
+    of a float model, over the token ids `ids`, read `window` tokens at a time.
+
+    Returns {layer name: float32 [in_features]} (forward pre-hooks record it).
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: give a torch.nn.Module, got "
+                         f"{type(model).__name__}")
+    if is_quantized(model):
+        raise ValueError("the model is quantized already: calibrate the float "
+                         "model, then quantize it")
+    ids = checked_ids(model, ids, window)
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, nn.Linear)}
+    if not linears:
+        raise ValueError("the model has no nn.Linear layer to calibrate")
+    found: dict[str, torch.Tensor] = {}
+
+    def record(name):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            x = x.abs().amax(0).float()
+            found[name] = torch.maximum(found[name], x) if name in found else x
+        return hook
+
+    hooks = [m.register_forward_pre_hook(record(n)) for n, m in linears.items()]
+    device = next(model.parameters()).device
+    try:
+        for start in range(0, ids.numel() - 1, window):
+            chunk = ids[start:start + window].to(device)[None]
+            model(chunk, torch.arange(chunk.shape[1], device=device)[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return found
+
+# %% ../chapters/05_int8.ipynb #s20-smooth
+def smooth_groups(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
+    """Where SmoothQuant's scales fold in, three places per block of a minillm
+    Transformer: (the module that makes the input, the layers that read it)."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError(f"smooth() needs a minillm Transformer (model."
+                         f"layers[i].input_layernorm, ...); got "
+                         f"{type(model).__name__}")
+    groups = []
+    for i in range(len(layers)):
+        p = f"layers.{i}"
+        groups += [(f"{p}.input_layernorm",  # RMSNorm -> q, k, v
+                    tuple(f"{p}.self_attn.{n}_proj" for n in "qkv")),
+                   (f"{p}.post_attention_layernorm",  # RMSNorm -> gate, up
+                    (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj")),
+                   (f"{p}.mlp.up_proj",  # rows of up -> columns of down
+                    (f"{p}.mlp.down_proj",))]
+    return groups
+
+
+@torch.no_grad()
+def smooth(model: nn.Module, act_max: dict[str, torch.Tensor],
+           alpha: float = 0.5) -> dict[str, torch.Tensor]:
+    """SmoothQuant (Xiao et al., 2023), in place on a float model.
+
+    For each group of smooth_groups: s_j = max|X_j|^alpha / max|W_j|^(1-alpha),
+    max|X_j| from `act_max` (activation_absmax), max|W_j| over column j of the
+    group's weights. Channel j is divided by s_j where it is made (the RMSNorm
+    weight, or row j of up_proj) and column j of the weights multiplied by s_j:
+    the float model computes the same function, with no extra operation.
+    Returns {the module that makes the input: s}.
+    """
+    if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+            or not 0 <= alpha <= 1):
+        raise ValueError(f"alpha={alpha!r}: give a number in [0, 1] "
+                         "(SmoothQuant's usual choice: 0.5)")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: give a torch.nn.Module, got "
+                         f"{type(model).__name__}")
+    if is_quantized(model):
+        raise ValueError("the model is quantized already: smooth the float "
+                         "model, then quantize it")
+    if not isinstance(act_max, dict):
+        raise ValueError(f"act_max: give the dict of activation_absmax(); got "
+                         f"{type(act_max).__name__}")
+    plan = []
+    for source, targets in smooth_groups(model):  # every check first
+        try:
+            src = model.get_submodule(source)
+            lins = [model.get_submodule(t) for t in targets]
+        except AttributeError as e:
+            raise ValueError(f"smooth() needs {source} and {targets}: {e}"
+                             ) from None
+        weight = getattr(src, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != (
+                2 if isinstance(src, nn.Linear) else 1):
+            raise ValueError(f"{source} must be an RMSNorm or an nn.Linear, "
+                             "with a weight to fold the scales into")
+        dim = weight.shape[0]
+        if not all(isinstance(m, nn.Linear) and m.in_features == dim
+                   for m in lins):
+            raise ValueError(f"{targets} must be nn.Linear layers that read "
+                             f"the {dim} channels of {source}")
+        x = act_max.get(targets[0])
+        if (not isinstance(x, torch.Tensor) or tuple(x.shape) != (dim,)
+                or not torch.isfinite(x).all() or (x < 0).any()):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else x
+            raise ValueError(f"act_max[{targets[0]!r}]: give the {dim} finite,"
+                             f" non-negative channel maxima of "
+                             f"activation_absmax; got {got}")
+        plan.append((source, src, lins, x))
+    scales = {}
+    for source, src, lins, x in plan:
+        w = torch.cat([m.weight.detach() for m in lins]).abs().amax(0).float()
+        x = x.to(w.device).float().clamp(min=1e-5)
+        s = (x.pow(alpha) / w.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+        if isinstance(src, nn.Linear):  # up_proj: output j is down's input j
+            src.weight.div_(s[:, None].to(src.weight.dtype))
+            if src.bias is not None:
+                src.bias.div_(s.to(src.bias.dtype))
+        else:  # an RMSNorm: weight * x / rms(x)
+            src.weight.div_(s.to(src.weight.dtype))
+        for m in lins:
+            m.weight.mul_(s.to(m.weight.dtype))
+        scales[source] = s
+    return scales
+
+# %% ../chapters/05_int8.ipynb #f10-quant
+def _roundf(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf (halves away from zero), as llama.cpp's Python code does."""
+    a = v.abs()
+    whole = a.floor()
+    half_up = a.sub_(whole).mul_(2).floor_()  # 1 where the fraction is >= 0.5
+    return whole.add_(half_up).mul_(v.sign())
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    """1 / d, and 0 for d = 0: a block of zeros stays zeros."""
+    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+
+
+def _half_bytes(v: torch.Tensor) -> torch.Tensor:
+    """[n, 1] float32 -> [n, 2]: the bytes of each value as a float16."""
+    return v.half().view(torch.uint8)
+
+
+def _nibble_bytes(q: torch.Tensor) -> torch.Tensor:
+    """[n, 32] numbers 0..15 -> [n, 16] bytes: the first 16 in the low halves,
+    the last 16 in the high halves (what Chapter 2's dequantize reads)."""
+    q = q.to(torch.uint8)
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def gguf_quantize(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """Float weights w [..., n] (n a multiple of 32) in one of llama.cpp's block
+    formats, Q8_0, Q4_0 or Q4_1: the bytes [..., n // 32 * bytes per block],
+    the same bytes as llama.cpp's reference quantizer (gguf.quants.quantize)."""
+    from minillm.gguf import BLOCKS
+    if not isinstance(kind, str) or kind not in BLOCKS:
+        raise ValueError(f"kind={kind!r}: give one of {sorted(BLOCKS)}")
+    per_block, _ = BLOCKS[kind]
+    if (not isinstance(w, torch.Tensor) or not w.is_floating_point()
+            or w.dim() < 1 or w.shape[-1] % per_block or not w.numel()):
+        got = (f"shape {tuple(w.shape)}, {w.dtype}"
+               if isinstance(w, torch.Tensor) else type(w).__name__)
+        raise ValueError(f"w: give float weights whose rows are a multiple of "
+                         f"{per_block} long; got {got}")
+    x = w.detach().float().reshape(-1, per_block)  # one block per row
+    low, high = torch.aminmax(x)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError("w holds NaN or inf: a block's scale would be none")
+    if kind == "Q8_0":  # x = d * q, q = round(x / d) in -127..127
+        d = x.abs().amax(-1, keepdim=True) / 127
+        q = _roundf(x * _inverse(d)).to(torch.int8).view(torch.uint8)
+        parts = [_half_bytes(d), q]
+    elif kind == "Q4_0":  # x = d * (q - 8): the largest |x| lands on q = 0
+        big = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+        d = big / -8
+        q = torch.trunc(x * _inverse(d) + 8.5).clamp(0, 15)
+        parts = [_half_bytes(d), _nibble_bytes(q)]
+    else:  # Q4_1: x = d * q + m, m the block's minimum, q in 0..15
+        m, top = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        d = (top - m) / 15
+        q = torch.trunc((x - m) * _inverse(d) + 0.5).clamp(0, 15)
+        parts = [_half_bytes(d), _half_bytes(m), _nibble_bytes(q)]
+    return torch.cat(parts, -1).reshape(*w.shape[:-1], -1)
+
+
+def gguf_round_trip(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """w stored in `kind` and read back with Chapter 2's dequantize: the
+    float32 weights a GGUF file of that kind holds (on w's device)."""
+    from minillm.gguf import dequantize as gguf_dequantize
+    raw = gguf_quantize(w, kind).cpu()
+    return gguf_dequantize(raw.numpy(), kind, tuple(w.shape)).to(w.device)

@@ -1,7 +1,9 @@
 """minillm.quant (chapter 5): absmax int8 quantization keeps every weight within half a step;
-W8A16 and W8A8 layers compute what their int math says; quantize() swaps the right layers,
-refuses bad input without changing anything, and the quantized model runs in chapter 3's loop
-and chapter 4's engine with the same tokens, while the model file on disk stays untouched."""
+W8A16 and W8A8 layers compute what their int math says (also through the exact float64 path);
+quantize() swaps the right layers, refuses bad input without changing anything, and the
+quantized model runs in chapter 3's loop and chapter 4's engine with the same tokens, while the
+model file on disk stays untouched. SmoothQuant's folding leaves the float model's function
+unchanged and fixes W8A8 on a planted outlier channel; gguf_quantize writes llama.cpp's bytes."""
 from __future__ import annotations
 
 import copy
@@ -9,6 +11,7 @@ import hashlib
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -17,8 +20,10 @@ from minillm.engine import LLM
 from minillm.generate import generate
 from minillm.model import load_model
 from minillm.quant import (FbgemmLinear, Int8Int8Linear, Int8Linear, absmax_quantize,
-                           bnb_missing, dequantize, fbgemm_missing, int8_layers_on_meta,
-                           int8_matmul, is_quantized, perplexity, quantize)
+                           activation_absmax, bnb_missing, dequantize, exact_int8_matmul,
+                           fbgemm_missing, gguf_quantize, gguf_round_trip,
+                           int8_layers_on_meta, int8_matmul, is_quantized, perplexity,
+                           quantize, smooth)
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
@@ -157,6 +162,18 @@ def test_int8_matmul_is_exact():
     out = int8_matmul(a, b)
     assert out.dtype == torch.int32
     assert torch.equal(out.long(), a.long() @ b.long())
+
+
+@pytest.mark.parametrize("k, value", [(1024, -128), (1041, 127), (1041, -128)])
+def test_int8_matmul_fallback_is_exact_at_the_float32_limit(k, value):
+    """Float32 holds every integer up to 2**24: 1024 x (-128)^2 is exactly 2**24, and
+    1041 x 127^2 = 16790289 (odd, above 2**24) would round in float32."""
+    a = torch.full((2, k), value, dtype=torch.int8)
+    b = torch.full((k, 3), value, dtype=torch.int8)
+    with exact_int8_matmul():
+        out = int8_matmul(a, b)
+    assert out.dtype == torch.int32
+    assert (out.long() == k * value * value).all()
 
 
 def test_w8a8_refuses_groups():
@@ -491,3 +508,284 @@ def test_bitsandbytes_import_logs_never_reach_the_page(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "kernels-community" not in result.stderr
     assert "a real error still shows" in result.stderr
+
+
+# --- the exact float64 path of int8_matmul ----------------------------------------------------
+
+def test_exact_int8_matmul_gives_the_same_sums_and_outputs():
+    import minillm.quant as q
+    torch.manual_seed(6)
+    a = torch.randint(-127, 128, (9, 1536), dtype=torch.int8)
+    b = torch.randint(-127, 128, (1536, 40), dtype=torch.int8)
+    layer = Int8Int8Linear.from_linear(nn.Linear(96, 40))
+    x = torch.randn(5, 96) * 4
+    outside, y = int8_matmul(a, b), layer(x)
+    with exact_int8_matmul():
+        with exact_int8_matmul():  # blocks nest
+            assert q._exact_blocks == 2
+        assert q._exact_blocks == 1
+        assert torch.equal(int8_matmul(a, b), outside)
+        assert torch.equal(layer(x), y)
+    assert q._exact_blocks == 0
+    with pytest.raises(RuntimeError), exact_int8_matmul():
+        raise RuntimeError("an error inside the block")
+    assert q._exact_blocks == 0  # closed again
+
+
+def test_exact_int8_matmul_takes_the_float64_path_on_the_cpu(monkeypatch):
+    import minillm.quant as q
+    calls = []
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(1) or
+                        (a.long() @ b.long()).to(torch.int32))
+    monkeypatch.setitem(q._INT_MM_WORKS, "cpu", True)
+    a = torch.randint(-127, 128, (3, 64), dtype=torch.int8)
+    b = torch.randint(-127, 128, (64, 8), dtype=torch.int8)
+    int8_matmul(a, b)
+    assert calls == [1]
+    with exact_int8_matmul():
+        assert torch.equal(int8_matmul(a, b).long(), a.long() @ b.long())
+    assert calls == [1]  # not called inside the block
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_quantize_refuses_nan_or_inf_weights_and_changes_nothing(bad):
+    net = small_net()
+    with torch.no_grad():
+        net[2].weight[3, 4] = bad
+    before = state(net)
+    with pytest.raises(ValueError, match=r"2\.weight holds NaN or inf"):
+        quantize(net, "w8a16", skip=())
+    after = state(net)  # NaN != NaN: compare with equal_nan
+    assert after["classes"] == before["classes"]
+    for k, v in before["tensors"].items():
+        torch.testing.assert_close(after["tensors"][k], v, rtol=0, atol=0, equal_nan=True)
+
+
+# --- calibration and SmoothQuant --------------------------------------------------------------
+
+def held_out(model_path=SHAKESPEARE, n=300) -> list[int]:
+    tok = Tokenizer.from_pretrained(model_path)
+    text = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
+            "It is the east, and Juliet is the sun.\n") * 6
+    return tok.encode(text)[:n]
+
+
+def test_activation_absmax_is_the_largest_input_of_each_channel(shakespeare):
+    ids = held_out(n=200)
+    found = activation_absmax(shakespeare, ids, window=128)
+    linears = {n for n, m in shakespeare.named_modules() if isinstance(m, nn.Linear)}
+    assert found.keys() == linears
+    with torch.no_grad():  # the input of layers.0's q_proj, by hand, window by window
+        expected = torch.zeros(shakespeare.config.hidden_size)
+        for start in (0, 128):
+            chunk = torch.tensor(ids[start:start + 128])[None]
+            h = shakespeare.layers[0].input_layernorm(shakespeare.embed_tokens(chunk))
+            expected = torch.maximum(expected, h[0].abs().amax(0))
+    torch.testing.assert_close(found["layers.0.self_attn.q_proj"], expected)
+    assert found["layers.0.mlp.down_proj"].shape == (shakespeare.config.intermediate_size,)
+    assert all(not m._forward_pre_hooks for m in shakespeare.modules())  # hooks removed
+
+
+@pytest.mark.parametrize("ids, window, match", [
+    ([5], 16, r"at least 2"), ("ROMEO", 16, r"token ids"), ([1, 2, 3], 1, r"window"),
+    ([1, 10**6], 16, r"\[0, 4096\)"),
+])
+def test_activation_absmax_refuses_bad_input(shakespeare, ids, window, match):
+    with pytest.raises(ValueError, match=match):
+        activation_absmax(shakespeare, ids, window)
+    assert all(not m._forward_pre_hooks for m in shakespeare.modules())
+
+
+def test_activation_absmax_refuses_a_quantized_model(shakespeare):
+    model = quantize(copy.deepcopy(shakespeare), "w8a16")
+    with pytest.raises(ValueError, match=r"quantized already.*calibrate the float"):
+        activation_absmax(model, held_out(n=40))
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        x = torch.tensor(ids)[None]
+        return model(x, torch.arange(x.shape[1])[None])
+
+
+def test_smoothing_leaves_the_float_model_unchanged(shakespeare):
+    ids = held_out()
+    model = copy.deepcopy(shakespeare)
+    act = activation_absmax(model, ids[:150])
+    scales = smooth(model, act, alpha=0.5)
+    assert len(scales) == 3 * shakespeare.config.num_layers
+    before, after = logits(shakespeare, ids), logits(model, ids)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)  # the fold is exact
+    assert torch.equal(after.argmax(-1), before.argmax(-1))
+    norm = model.layers[1].input_layernorm.weight  # ... but the weights did change
+    assert not torch.allclose(norm, shakespeare.layers[1].input_layernorm.weight)
+    s = scales["layers.1.input_layernorm"]
+    torch.testing.assert_close(norm * s, shakespeare.layers[1].input_layernorm.weight)
+    attn = model.layers[1].self_attn
+    torch.testing.assert_close(attn.k_proj.weight / s,
+                               shakespeare.layers[1].self_attn.k_proj.weight)
+    # up_proj: its columns take post_attention_layernorm's scales, its rows give
+    # down_proj's inputs theirs
+    up = model.layers[1].mlp.up_proj.weight
+    s_in, t = scales["layers.1.post_attention_layernorm"], scales["layers.1.mlp.up_proj"]
+    torch.testing.assert_close(up * t[:, None] / s_in,
+                               shakespeare.layers[1].mlp.up_proj.weight)
+    down = model.layers[1].mlp.down_proj.weight
+    torch.testing.assert_close(down / t, shakespeare.layers[1].mlp.down_proj.weight)
+
+
+def test_smoothing_scales_follow_the_formula(shakespeare):
+    ids = held_out(n=150)
+    act = activation_absmax(shakespeare, ids)
+    for alpha in (0.0, 0.5, 1.0):
+        model = copy.deepcopy(shakespeare)
+        s = smooth(model, act, alpha)["layers.0.input_layernorm"]
+
+        def qkv_columns(m):
+            a = m.layers[0].self_attn
+            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            return w.abs().amax(0)
+
+        w, x = qkv_columns(shakespeare), act["layers.0.self_attn.q_proj"]
+        torch.testing.assert_close(s, x.pow(alpha) / w.pow(1 - alpha))
+        w_after = qkv_columns(model)
+        if alpha == 0.0:  # every weight column's maximum becomes 1
+            torch.testing.assert_close(w_after, torch.ones_like(w_after))
+        if alpha == 1.0:  # every activation channel's maximum becomes 1
+            torch.testing.assert_close(x / s, torch.ones_like(x))
+        if alpha == 0.5:  # both get the same channel maxima
+            torch.testing.assert_close(x / s, w_after)
+
+
+def plant_outlier(model, channel: int = 7, factor: float = 40.0):
+    """The same float function, with one hidden channel `factor` times larger at the
+    inputs of q/k/v and gate/up (the norm weight up, the weight columns down)."""
+    with torch.no_grad():
+        for block in model.layers:
+            for norm, lins in [(block.input_layernorm, [block.self_attn.q_proj,
+                                                        block.self_attn.k_proj,
+                                                        block.self_attn.v_proj]),
+                               (block.post_attention_layernorm, [block.mlp.gate_proj,
+                                                                 block.mlp.up_proj])]:
+                norm.weight[channel] *= factor
+                for m in lins:
+                    m.weight[:, channel] /= factor
+    return model
+
+
+def test_smoothquant_lowers_w8a8_error_on_a_planted_outlier_channel(shakespeare):
+    ids = held_out()
+    planted = plant_outlier(copy.deepcopy(shakespeare))
+    ref = logits(shakespeare, ids)
+    torch.testing.assert_close(logits(planted, ids), ref, rtol=1e-3, atol=1e-3)
+
+    def w8a8_error(model):
+        out = logits(quantize(copy.deepcopy(model), "w8a8"), ids)
+        return ((out - ref).norm() / ref.norm()).item()
+
+    plain, outlier = w8a8_error(shakespeare), w8a8_error(planted)
+    assert outlier > 2 * plain  # the outlier channel sets every token's step
+    smoothed = copy.deepcopy(planted)
+    smooth(smoothed, activation_absmax(smoothed, ids[:150]), alpha=0.5)
+    fixed = w8a8_error(smoothed)
+    assert fixed < outlier / 3
+    assert fixed < plain  # better than W8A8 on the model without the outlier
+
+
+@pytest.mark.parametrize("alpha", [-0.1, 1.5, True, "0.5", None, float("nan")])
+def test_smooth_refuses_a_bad_alpha_and_changes_nothing(shakespeare, alpha):
+    model = copy.deepcopy(shakespeare)
+    act = activation_absmax(model, held_out(n=40))
+    before = state(model)
+    with pytest.raises(ValueError, match=r"alpha="):
+        smooth(model, act, alpha)
+    assert same_state(before, state(model))
+
+
+def test_smooth_refuses_bad_act_max_and_changes_nothing(shakespeare):
+    model = copy.deepcopy(shakespeare)
+    act = activation_absmax(model, held_out(n=40))
+    before = state(model)
+    last = f"layers.{shakespeare.config.num_layers - 1}.mlp.down_proj"  # checked last
+    bad = [({k: v for k, v in act.items() if k != last}, rf"act_max\['{last}'\]"),
+           ({**act, last: act[last][:-1]}, r"give the \d+ finite"),
+           ({**act, last: -act[last]}, r"non-negative"),
+           ({**act, last: act[last] * float("nan")}, r"finite"),
+           ([act], r"act_max: give the dict")]
+    for act_max, match in bad:
+        with pytest.raises(ValueError, match=match):
+            smooth(model, act_max)
+        assert same_state(before, state(model))
+
+
+def test_smooth_refuses_other_models(shakespeare):
+    act = activation_absmax(shakespeare, held_out(n=40))
+    with pytest.raises(ValueError, match=r"minillm Transformer"):
+        smooth(small_net(), {})
+    with pytest.raises(ValueError, match=r"quantized already"):
+        smooth(quantize(copy.deepcopy(shakespeare), "w8a8"), act)
+    with pytest.raises(ValueError, match=r"model: give a torch.nn.Module"):
+        smooth("model", act)
+
+
+# --- llama.cpp's block formats ----------------------------------------------------------------
+
+def format_cases() -> list[torch.Tensor]:
+    torch.manual_seed(7)
+    ties = torch.tensor([[0.5, -0.5, 2.5, -2.5, 1.5, 0.49999997, -3.0, 3.0] * 4,
+                         [1.0] * 32, [-2.0] + [0.0] * 31, [3.0] * 31 + [-3.0]])
+    return [torch.randn(16, 256), torch.randn(4, 64) * 1e-4, torch.zeros(3, 32), ties,
+            (torch.randint(-8, 8, (8, 64)) * 0.25).float(), torch.randn(2, 3, 96) * 100,
+            torch.randn(4, 64).half()]
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_quantize_writes_llama_cpp_bytes(kind):
+    import gguf
+
+    from minillm.gguf import BLOCKS
+    per_block, nbytes = BLOCKS[kind]
+    for w in format_cases():
+        ours = gguf_quantize(w, kind)
+        theirs = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType[kind])
+        assert ours.dtype == torch.uint8
+        assert ours.shape == (*w.shape[:-1], w.shape[-1] // per_block * nbytes)
+        assert np.array_equal(ours.numpy(), theirs), (kind, tuple(w.shape))
+
+
+@pytest.mark.parametrize("kind, bound", [("Q8_0", 0.5), ("Q4_0", 1.0), ("Q4_1", 0.5)])
+def test_gguf_round_trip_errors_stay_within_a_step(kind, bound):
+    torch.manual_seed(8)
+    w = torch.randn(32, 128) * torch.logspace(-2, 1, 32)[:, None]
+    back = gguf_round_trip(w, kind)
+    assert back.shape == w.shape and back.dtype == torch.float32
+    blocks, err = w.reshape(-1, 32), (back - w).reshape(-1, 32).abs()
+    step = {"Q8_0": blocks.abs().amax(-1) / 127, "Q4_0": blocks.abs().amax(-1) / 8,
+            "Q4_1": (blocks.amax(-1) - blocks.amin(-1)) / 15}[kind]
+    # Q4_0 puts the largest |x| on q=0 and has only 7 steps on the other side: the
+    # far end can be one step off. The float16 scale adds at most 127 (or 15) q
+    # times its rounding, 2**-11 of d: under 0.07 of a step
+    assert (err.amax(-1) <= step * (bound + 0.07)).all()
+    assert (err.amax(-1) > step * bound * 0.5).any()  # the bound is not loose
+    assert gguf_round_trip(torch.zeros(2, 32), kind).abs().max() == 0
+
+
+def test_q4_1_of_q4_1_weights_is_lossless():
+    torch.manual_seed(9)
+    once = gguf_round_trip(torch.randn(64, 256), "Q4_1")
+    assert torch.equal(gguf_round_trip(once, "Q4_1"), once)  # why SmolLM2 is exact
+    assert not torch.equal(gguf_round_trip(once, "Q4_0"), once)
+
+
+@pytest.mark.parametrize("w, kind, match", [
+    (torch.randn(4, 32), "Q5_K", r"kind='Q5_K'"),
+    (torch.randn(4, 32), None, r"kind=None"),
+    (torch.randn(4, 48), "Q8_0", r"multiple of 32.*\(4, 48\)"),
+    (torch.ones(4, 32, dtype=torch.int32), "Q4_0", r"float"),
+    (torch.empty(0, 32), "Q4_1", r"multiple of 32"),
+    ([[1.0] * 32], "Q8_0", r"list"),
+    (torch.full((2, 32), float("nan")), "Q8_0", r"NaN or inf"),
+])
+def test_gguf_quantize_refuses_bad_input(w, kind, match):
+    with pytest.raises(ValueError, match=match):
+        gguf_quantize(w, kind)
