@@ -320,6 +320,9 @@ class StepMeta:
     slot_mapping: torch.Tensor | None = None     # [B, T] cache slot of each token
     block_tables: torch.Tensor | None = None     # [B, n] cache rows/blocks of each row
     max_context: int | None = None  # the longest row's tokens; None = whole cache
+    # Chapter 4's packed steps: one row (B = 1) holds the new tokens of n requests
+    query_start_loc: torch.Tensor | None = None  # [n + 1] where each one starts
+    seq_lens: torch.Tensor | None = None  # [n] positions each holds after the step
     cache: dict = field(default_factory=dict, repr=False)  # e.g. the mask, built once
 
 
@@ -418,7 +421,9 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv, meta)
-        if meta is not None and meta.logits_index is not None:
+        if meta is not None and meta.query_start_loc is not None:  # packed
+            x = x[0, meta.logits_index][:, None]  # [n, 1, hidden]: one per request
+        elif meta is not None and meta.logits_index is not None:
             index = meta.logits_index.view(-1, 1, 1).expand(-1, 1, x.shape[-1])
             x = x.gather(1, index)  # [B, 1, hidden]: one token per row
         return self.lm_head(self.norm(x))

@@ -122,6 +122,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""                         # the output decoded so far
     status: str = WAITING                  # waiting -> running -> finished
+    num_computed_tokens: int = 0           # tokens whose K/V are in the cache
     finish_reason: str | None = None       # "stop", "length", "abort" or "error"
     error: str | None = None               # what went wrong, with finish_reason "error"
     arrival_time: float = field(default_factory=time.perf_counter)

@@ -342,7 +342,8 @@ def test_sampling_per_request_params_and_seeds(shakespeare):
 
 def test_bad_requests_rejected_and_engine_unchanged(model):
     solo = Solo(model)
-    engine = LLMEngine(model, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    engine = LLMEngine(model, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64,
+                       enable_chunked_prefill=False)
     good = [([1, 5, 9], greedy(8, ignore_eos=True)), ([1, 7], greedy(6, ignore_eos=True)),
             ([1, 3, 4, 5], greedy(5, ignore_eos=True))]
     ids = [engine.add_request(p, sp) for p, sp in good]

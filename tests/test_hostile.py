@@ -365,10 +365,10 @@ def test_step_records_count_what_the_forward_computed(bundled):
     assert record.is_prefill and record.useful_tokens == 2 and record.tokens == 2
     engine.add_request([1, 2, 3], greedy(2))
     engine.add_request(list(range(100, 110)), greedy(2))
-    engine.step()  # the two new ones are admitted before the next decode
+    engine.step()  # the two new ones join the running one's decode token
     record = engine.history[-1]
-    assert record.is_prefill and record.rows == 2
-    assert record.useful_tokens == 13 and record.tokens == 2 * 10  # right-padded
+    assert record.is_prefill and record.rows == 3
+    assert record.useful_tokens == record.tokens == 1 + 3 + 10  # packed: no padding
     while engine.has_unfinished():
         engine.step()
 
@@ -441,7 +441,7 @@ def test_a_request_whose_recompute_would_break_the_token_budget_is_refused(bundl
     chunked prefill it must fit max_num_batched_tokens, as vLLM requires."""
     model, tok = bundled
     engine = LLMEngine(model, tok, kv_cache="paged", num_blocks=14, block_size=4,
-                       max_num_batched_tokens=32)
+                       max_num_batched_tokens=32, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match=r"= 41 tokens: after a preemption.*=32 is less"):
         engine.add_request(list(range(1, 10)), greedy(32))
     free_everything(engine)

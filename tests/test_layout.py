@@ -123,9 +123,9 @@ def test_blocks_are_published_when_the_runner_commits_not_during_the_forward(mod
     commits = []
     real_commit = engine.kv.commit
 
-    def commit():
+    def commit(seqs=None):
         commits.append(dict(blocks.pending))  # what the forward left to publish
-        real_commit()
+        real_commit(seqs)
         assert not blocks.pending
     engine.kv.commit = commit
     params = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)

@@ -123,11 +123,13 @@ GraphRunner._capture, GraphRunner.capture_all = _capture, capture_all
 
 # %% ../../chapters/07_performance.ipynb #c45-graphs
 @torch.inference_mode()
-def run(self, seqs: list, is_prefill: bool) -> list[int]:
+def run(self, batch) -> list:
     """One engine step: decode through its bucket's graph, the rest eagerly."""
-    key = None if is_prefill else self.key(len(seqs), max(s.num_tokens for s in seqs))
+    seqs = batch.seqs
+    key = (None if batch.is_prefill
+           else self.key(len(seqs), max(s.num_tokens for s in seqs)))
     if key is None:                            # prefill, too many rows, too long
-        return self.runner.run(seqs, is_prefill)
+        return self.runner.run(batch)
     new_ids, new_meta = self.runner.prepare_decode(seqs)
     if self.capture:
         if key not in self.graphs:
@@ -141,9 +143,8 @@ def run(self, seqs: list, is_prefill: bool) -> list[int]:
         ids, meta, _ = self.static[key]
         self._fill(ids, meta, new_ids, new_meta)
         logits = _forward(self, ids, meta)
-    self.kv.commit()                           # chapter 6: the blocks it filled may
-    #                                            be shared now (Python, not graph)
-    return self.runner.sample(seqs, logits[:len(seqs), -1])
+    self.runner.last_tokens = len(seqs)
+    return self.runner.finish_step(batch, logits[:len(seqs), -1])  # sample, commit
 
 
 GraphRunner.run = run

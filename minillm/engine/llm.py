@@ -34,8 +34,9 @@ class StepRecord:
     start: float
     end: float
     is_prefill: bool
-    rows: int                      # rows in the forward (padding rows included)
-    useful_rows: int               # rows whose token a request keeps
+    rows: int                      # requests in the forward (padding rows included)
+    useful_rows: int               # requests that got a token (not padding, not a
+    #                                prompt with chunks still to compute)
     tokens: int                    # tokens in the forward, padding included
     useful_tokens: int             # tokens that belong to a request
     kv_tokens: int                 # positions of the KV memory that hold a token
@@ -62,7 +63,8 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, policy: str = "continuous",
-                 kv_cache: str | None = None, cuda_graphs: bool = False, **paged):
+                 kv_cache: str | None = None, cuda_graphs: bool = False,
+                 enable_chunked_prefill: bool = True, **paged):
         from minillm.model import Transformer
         if not isinstance(model, Transformer):
             raise ValueError(f"model={model!r:.60} is not a minillm Transformer: load "
@@ -81,11 +83,15 @@ class LLMEngine:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
         max_model_len = context if max_model_len is None else max_model_len
-        max_num_batched_tokens = (max(2048, max_model_len)
+        max_num_batched_tokens = (max(2048, max_model_len, max_num_seqs)
                                   if max_num_batched_tokens is None
                                   else max_num_batched_tokens)
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs={cuda_graphs!r}: must be True or False")
+        if max_num_batched_tokens < max_num_seqs:  # every running request: a token
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is "
+                             f"less than max_num_seqs={max_num_seqs}: each step gives "
+                             "every running request a token")
         if max_model_len > context:
             raise ValueError(f"max_model_len={max_model_len} is larger than the "
                              f"model's context of {context} positions")
@@ -109,7 +115,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache={kv_cache!r}: allowed 'slots' or 'paged'")
         # one scheduler and one runner, for either backend
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
-                                   policy)
+                                   policy, enable_chunked_prefill)
         self.runner = ModelRunner(model, self.kv)
         self.requests: dict[str, Sequence] = {}  # every request not yet collected
         self.history: list[StepRecord] = []
@@ -143,11 +149,13 @@ class LLMEngine:
                              f"exceeds max_model_len={self.max_model_len}")
         if self.kv.too_long(seq):
             raise ValueError(self.kv.too_long(seq))
-        budget = self.scheduler.max_num_batched_tokens
-        if len(seq.prompt_ids) > budget:
+        budget, s = self.scheduler.max_num_batched_tokens, self.scheduler
+        whole = s.policy == "static" or not s.enable_chunked_prefill  # no chunks
+        if whole and len(seq.prompt_ids) > budget:
             raise ValueError(f"the prompt has {len(seq.prompt_ids)} tokens; a step "
-                             f"holds at most max_num_batched_tokens={budget}")
-        if self.kv.grows_per_token and seq.max_tokens > budget:
+                             f"holds at most max_num_batched_tokens={budget} "
+                             "(enable_chunked_prefill=True would cut it in chunks)")
+        if whole and self.kv.grows_per_token and seq.max_tokens > budget:
             raise ValueError(f"prompt + max_new_tokens = {seq.max_tokens} tokens: "
                              "after a preemption (Chapter 6) they are computed again "
                              f"in one step; max_num_batched_tokens={budget} is less")
@@ -157,7 +165,8 @@ class LLMEngine:
         return request_id
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, append one token to every running request."""
+        """Schedule, run one forward, append a token to every request whose prompt is
+        complete (one in the middle of its prompt gets the next chunk computed)."""
         if self.kv.prefix_caching and self.scheduler.waiting:  # only admission looks
             version = weights_version(self.model)  # up cached blocks (Chapter 6)
             if version != self._weights:
@@ -166,17 +175,18 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        padding = [s.is_finished for s in batch.seqs]  # static batching's old rows
         start = time.perf_counter()
         try:
-            new_ids = self.runner.run(batch.seqs, batch.is_prefill)
+            new_ids = self.runner.run(batch)
         except BaseException:
             self.scheduler.undo(batch)  # nothing half done stays behind
             raise
         now = time.perf_counter()
         outputs, useful = [], 0
-        for seq, token in zip(batch.seqs, new_ids):  # every row gets its result
-            if seq.is_finished:
-                continue  # a padding row of static batching
+        for seq, token in zip(batch.seqs, new_ids):  # every request gets its result
+            if token is None:
+                continue  # a padding row, or a prompt with chunks still to compute
             useful += 1
             try:
                 if isinstance(token, Exception):
@@ -189,7 +199,7 @@ class LLMEngine:
                                          seq.finish_reason, seq.error))
             if seq.is_finished:
                 self._finished(seq)
-        self._record(batch, start, now, useful)
+        self._record(batch, start, now, useful, padding)
         return outputs
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -232,12 +242,11 @@ class LLMEngine:
 
     MAX_HISTORY = 100_000  # steps kept in engine.history (the oldest half goes)
 
-    def _record(self, batch, start: float, end: float, useful: int) -> None:
+    def _record(self, batch, start: float, end: float, useful: int,
+                padding: list[bool]) -> None:
         seqs = batch.seqs
-        if batch.is_prefill:  # what the runner computed: cached tokens are skipped
-            tokens, useful_tokens = self.runner.last_tokens
-        else:
-            tokens, useful_tokens = len(seqs), useful
+        tokens = self.runner.last_tokens  # what the forward computed
+        useful_tokens = sum(n for n, pad in zip(batch.num_new, padding) if not pad)
         running = self.scheduler.running
         reserved, capacity = self.kv.usage()
         if len(self.history) >= self.MAX_HISTORY:  # a long-lived engine stays bounded
@@ -299,7 +308,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, dtype=None, device=None,
                  quantization: str | None = None, policy: str = "continuous",
-                 kv_cache: str | None = None, cuda_graphs: bool = False, **paged):
+                 kv_cache: str | None = None, cuda_graphs: bool = False,
+                 enable_chunked_prefill: bool = True, **paged):
         if not isinstance(model, torch.nn.Module):  # a folder or a Hub name
             from minillm.model import load_model, resolve_folder
             from minillm.tokenizer import Tokenizer
@@ -316,6 +326,7 @@ class LLM:
                                  "is loaded already: use model.to(...) or quantize()")
         self.engine = LLMEngine(model, tokenizer, max_num_seqs, max_num_batched_tokens,
                                 max_model_len, policy, kv_cache, cuda_graphs,
+                                enable_chunked_prefill,
                                 **paged)
 
     def generate(self, prompts, params: SamplingParams | list | None = None,

@@ -11,9 +11,9 @@ from ..sequence import Sequence, block_early_stop
 
 
 class ModelRunner:
-    """Turns a batch of sequences into one forward: prepare the step's tensors (input
-    ids and a StepMeta), run the model, commit the step's K/V, sample one token per
-    row."""
+    """Turns a scheduled batch into one forward: prepare the step's tensors (input
+    ids and a StepMeta), run the model, commit the step's K/V, sample one token for
+    every request whose prompt is complete."""
 
     def __init__(self, model, kv):
         self.model, self.kv = model, kv
@@ -27,59 +27,82 @@ class ModelRunner:
     def remove(self, seq: Sequence) -> None:
         self.generators.pop(seq.request_id, None)
 
-    def prepare_prefill(self, seqs: list[Sequence]):
-        """Every row's tokens that have no K/V yet, right-padded to the longest: [B, T].
-        (All of a new request's prompt; after a preemption, everything it has.)"""
-        starts = [self.kv.num_computed(s) for s in seqs]
-        tokens = [s.prompt_ids + s.output_ids for s in seqs]
-        T = max(len(t) - c for t, c in zip(tokens, starts))
-        pad = self.kv.pad_slot
-        ids, positions, slots, last = [], [], [], []
-        for s, toks, c in zip(seqs, tokens, starts):
-            n = len(toks) - c  # tokens to compute in this step
-            ids.append(toks[c:] + [0] * (T - n))
-            positions.append(list(range(c, len(toks))) + [0] * (T - n))  # pad: 0
-            slots.append(self.kv.slots(s, c, len(toks)) + [pad] * (T - n))
-            last.append(n - 1)
-        return self._tensors(seqs, ids, positions, slots, [len(t) for t in tokens],
-                             last)
+    def prepare_packed(self, seqs: list[Sequence], num_new: list[int]):
+        """Every request's new tokens side by side in one row: [1, total], no padding.
+
+        query_start_loc says where each request's tokens start in the row, seq_lens
+        how many positions each one holds after the step; logits_index picks each
+        request's last new token."""
+        ids, positions, slots, starts, lens = [], [], [], [0], []
+        for s, n in zip(seqs, num_new):
+            c, tokens = s.num_computed_tokens, s.prompt_ids + s.output_ids
+            ids += tokens[c:c + n]
+            positions += range(c, c + n)
+            slots += self.kv.slots(s, c, c + n)
+            starts.append(starts[-1] + n)
+            lens.append(c + n)
+        meta = self._meta(seqs, [positions], [slots], lens,
+                          [end - 1 for end in starts[1:]])
+        meta.query_start_loc = self._tensor(starts)
+        meta.seq_lens = self._tensor(lens)
+        return self._tensor([ids]), meta
 
     def prepare_decode(self, seqs: list[Sequence]):
-        """One token per row: the last one generated. [B, 1]. A finished row (static
-        batching keeps them) is padding: its token goes to the spare slot."""
+        """One token per request, the newest: [B, 1] (a batch of rows of one token is
+        packed already). A finished row (static batching keeps them) is padding: its
+        token goes to the spare slot."""
         ids, positions, slots, lengths = [], [], [], []
         for s in seqs:
             n = s.num_tokens
-            ids.append([s.output_ids[-1]])
+            ids.append([(s.output_ids or s.prompt_ids)[-1]])
             positions.append([n - 1])
             slots.append(self.kv.slots(s, n - 1, n) if not s.is_finished
                          else [self.kv.pad_slot])
             lengths.append(n)
-        return self._tensors(seqs, ids, positions, slots, lengths, [0] * len(seqs))
+        return self._tensor(ids), self._meta(seqs, positions, slots, lengths,
+                                             [0] * len(seqs))
 
-    def _tensors(self, seqs, ids, positions, slots, lengths, logits_index):
-        def t(x):
-            return torch.tensor(x, dtype=torch.long, device=self.device)
+    def _tensor(self, x) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=self.device)
+
+    def _meta(self, seqs, positions, slots, lengths, logits_index) -> StepMeta:
         tables = [self.kv.block_table(s) for s in seqs]
         width = max(len(b) for b in tables)
         tables = [b + [0] * (width - len(b)) for b in tables]  # past a row's length:
-        meta = StepMeta(positions=t(positions), logits_index=t(logits_index),  # masked
-                        slot_mapping=t(slots), block_tables=t(tables),
-                        max_context=max(lengths))
-        return t(ids), meta
+        return StepMeta(positions=self._tensor(positions),        # masked
+                        logits_index=self._tensor(logits_index),
+                        slot_mapping=self._tensor(slots),
+                        block_tables=self._tensor(tables), max_context=max(lengths))
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """One forward for the whole batch; returns one new token id per row."""
-        prepare = self.prepare_prefill if is_prefill else self.prepare_decode
-        input_ids, meta = prepare(seqs)
-        # what the forward computes: (tokens with padding, tokens of the requests);
-        # a prefill row computes up to its logits position (its uncached tokens)
-        self.last_tokens = (input_ids.numel(), len(seqs) + int(meta.logits_index.sum())
-                            if is_prefill else len(seqs))
+    def run(self, batch) -> list:
+        """One forward for the whole batch. Returns, per request, its new token id, or
+        None for a request still in the middle of its prompt (nothing to sample)."""
+        seqs, num_new = batch.seqs, batch.num_new
+        if batch.is_prefill:
+            input_ids, meta = self.prepare_packed(seqs, num_new)
+        else:
+            input_ids, meta = self.prepare_decode(seqs)
+        self.last_tokens = input_ids.numel()  # what the forward computes
         logits = self.model(input_ids, meta.positions, kv=self.kv, meta=meta)[:, -1]
-        self.kv.commit()  # every layer wrote: chapter 6 shares full blocks from now
-        return self.sample(seqs, logits)
+        return self.finish_step(batch, logits)
+
+    def finish_step(self, batch, logits: torch.Tensor) -> list:
+        """After the forward: sample the next token of every request whose last token
+        was computed (its row of `logits` [B, vocab]), count the computed tokens and
+        commit them (chapter 6 shares full blocks from now)."""
+        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new))
+                if not s.is_finished and s.num_computed_tokens + n == s.num_tokens]
+        out = [None] * len(batch.seqs)
+        if done:
+            rows = logits if len(done) == len(batch.seqs) else logits[done]
+            for i, token in zip(done, self.sample([batch.seqs[i] for i in done], rows)):
+                out[i] = token
+        for s, n in zip(batch.seqs, batch.num_new):
+            if not s.is_finished:
+                s.num_computed_tokens += n
+        self.kv.commit(batch.seqs)
+        return out
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:
         """One token per row of logits [B, vocab], with each request's params. A row

@@ -4,39 +4,63 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..sequence import RUNNING, WAITING, Sequence
 
 
 @dataclass
 class Batch:
-    """What one step runs: a prefill of newly admitted requests, or a decode."""
+    """What one step runs: for each request, how many of its tokens to compute.
+
+    Request i computes its tokens num_computed_tokens .. + num_new[i]; when that
+    reaches its last token, the step samples its next one. No padding anywhere."""
     seqs: list[Sequence]
-    is_prefill: bool
+    num_new: list[int]
+    num_admitted: int = 0  # the last num_admitted seqs joined in this step
+    is_prefill: bool = field(init=False)  # does any compute more than its newest
+    #                                       token (a prompt, a chunk of one)?
+
+    def __post_init__(self):
+        self.is_prefill = any(n != 1 or s.num_computed_tokens != s.num_tokens - 1
+                              for s, n in zip(self.seqs, self.num_new))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
 
 
 class Scheduler:
-    """Iteration-level scheduling (Orca): every step decides again who runs.
+    """Iteration-level scheduling (Orca) with one token budget per step (vLLM v1).
 
-    waiting: FIFO of requests not started; running: requests that hold KV memory.
-    policy="continuous": admit waiting requests whenever there is room, and a finished
-    request leaves at once. policy="static": admit a batch only when nobody runs, and
-    keep every row of it in the batch until the longest has finished (the padding
-    rows that continuous batching removes).
+    Every step has max_num_batched_tokens tokens to give. Running requests come
+    first, the oldest first: a decoding request gets its one new token, a request
+    in the middle of its prompt the next chunk of it. Waiting requests (FIFO) fill
+    what is left, while fewer than max_num_seqs run and the KV memory has room;
+    with enable_chunked_prefill a prompt longer than what is left is cut (chunked
+    prefill), so it spans several steps; without it the prompt waits for a step
+    with room for all of it.
 
-    Memory comes from the KV backend (minillm.kv.base.KVBackend). When it has no room
-    for a running request's next token (chapter 6's blocks), the newest running
-    request is preempted: its memory is freed and it goes back to the front of the
-    queue, to be computed again (vLLM's recompute preemption)."""
+    policy="static": admit a batch only when nobody runs, and keep every row of it
+    in the batch until the longest has finished (the padding rows that continuous
+    batching removes).
+
+    Memory comes from the KV backend (minillm.kv.base.KVBackend). When it has no
+    room for a running request's next token (chapter 6's blocks), the newest
+    running request is preempted: its memory is freed and it goes back to the
+    front of the queue, to be computed again (vLLM's recompute preemption)."""
 
     def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "continuous"):
+                 policy: str = "continuous", enable_chunked_prefill: bool = True):
         if policy not in ("continuous", "static"):
             raise ValueError(f"policy={policy!r}: allowed 'continuous' or 'static'")
+        if not isinstance(enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: "
+                             "must be True or False")
         self.kv, self.policy = kv, policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.forming = False  # static: the batch still takes requests
@@ -51,63 +75,89 @@ class Scheduler:
         return bool(self.waiting) or any(not s.is_finished for s in self.running)
 
     def schedule(self) -> Batch | None:
-        """Admit what fits (a prefill step), else decode everyone running."""
-        if self.policy == "static" and self.running and not self.forming:
-            return Batch(list(self.running), is_prefill=False)  # not over yet
-        admitted = self._admit()
-        if self.policy == "static":  # a full token budget may need more prefills
-            self.forming = bool(admitted and self.waiting
-                                and len(self.running) < self.max_num_seqs)
-        if admitted:
-            return Batch(admitted, is_prefill=True)
-        self._make_room()
-        if self.running:
-            return Batch(list(self.running), is_prefill=False)
-        return self.schedule() if self.waiting else None  # all preempted: admit
+        """This step's requests and how many tokens each computes; None: no work."""
+        if self.policy == "static":
+            return self._schedule_static()
+        budget = self.max_num_batched_tokens
+        seqs, num_new = [], []
+        for seq in list(self.running):  # the oldest first
+            if seq not in self.running:
+                continue  # preempted just now, for an older request
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:
+                break  # the budget is spent: the rest wait a step
+            if self._make_room(seq):  # False: it was preempted itself
+                seqs.append(seq)
+                num_new.append(n)
+                budget -= n
+            if any(s not in self.running for s in seqs):  # a victim ran already
+                num_new = [n for s, n in zip(seqs, num_new) if s in self.running]
+                seqs = [s for s in seqs if s in self.running]
+                budget = self.max_num_batched_tokens - sum(num_new)
+        admitted = self._admit(budget, num_new)
+        if not seqs + admitted:
+            return None
+        return Batch(seqs + admitted, num_new, len(admitted))
 
-    def _admit(self) -> list[Sequence]:
+    def _schedule_static(self) -> Batch | None:
+        """Static batching: admit while the batch forms, then decode every row of it
+        (finished ones too: padding) until its longest request is done."""
+        if not self.forming and self.running:
+            return Batch(list(self.running), [1] * len(self.running))
+        num_new: list[int] = []
+        admitted = self._admit(self.max_num_batched_tokens, num_new)
+        self.forming = bool(admitted and self.waiting
+                            and len(self.running) < self.max_num_seqs)
+        if admitted:
+            return Batch(admitted, num_new, len(admitted))
+        self.forming = False  # nothing more fits: the batch is formed
+        return self._schedule_static() if self.running else None
+
+    def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:
+        """Waiting requests, FIFO, while they fit: each one's tokens go to num_new."""
         admitted: list[Sequence] = []
-        longest = 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]  # strict FIFO: nobody overtakes the head
-            if admitted:  # the first one always fits; then the padded prefill
-                todo = seq.num_tokens - self.kv.cached_tokens(seq)  # to compute
-                padded = (len(admitted) + 1) * max(longest, todo)
-                if padded > self.max_num_batched_tokens:
-                    break
+            todo = seq.num_tokens - self.kv.cached_tokens(seq)  # to compute
+            if todo > budget and (self.policy == "static"
+                                  or not self.enable_chunked_prefill):
+                break  # waits for a step with room for the whole prompt
             if not self.kv.can_allocate(seq):
                 break
             self.waiting.popleft()
             self.kv.allocate(seq)
+            seq.num_computed_tokens = self.kv.num_computed(seq)  # prefix cache
             seq.status = RUNNING
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             admitted.append(seq)
-            longest = max(longest, seq.num_tokens - self.kv.num_computed(seq))
-        self.running += admitted
+            num_new.append(n)
+            self.running.append(seq)
+            budget -= n
         return admitted
 
-    def _make_room(self) -> None:
-        """Room for every running request's next token, the oldest first; when there
-        is none, the newest running request gives way."""
-        for seq in list(self.running):
-            if seq not in self.running:
-                continue  # preempted for an older request just now
-            while not self.kv.can_append(seq):
-                victim = self.victim()
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                self.kv.append_slot(seq)
+    def _make_room(self, seq: Sequence) -> bool:
+        """Room for the newest token of a decoding request; when there is none, the
+        newest running request gives way. False if `seq` itself had to."""
+        if seq.num_computed_tokens < seq.num_tokens - 1:
+            return True  # in its prompt: its blocks were given on admission
+        while not self.kv.can_append(seq):
+            victim = self.victim()
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.kv.append_slot(seq)
+        return True
 
     def victim(self) -> Sequence:
         """Who gives way when memory runs out: the newest running request."""
         return self.running[-1]
 
     def preempt(self, seq: Sequence) -> None:
-        self.num_recomputed += seq.num_tokens - 1  # all but the newest token had K/V
+        self.num_recomputed += seq.num_computed_tokens  # K/V thrown away
         self.preempted.append(seq.request_id)
         self.running.remove(seq)
         self.kv.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -126,12 +176,12 @@ class Scheduler:
             self.running = []
 
     def undo(self, batch: Batch) -> None:
-        """A prefill failed: its requests go back to the front of the queue."""
-        if not batch.is_prefill:
-            return
-        for seq in reversed(batch.seqs):
+        """A step failed, so nothing it computed counts. The requests it admitted go
+        back to the front of the queue; the others keep their place and their K/V."""
+        for seq in reversed(batch.seqs[len(batch.seqs) - batch.num_admitted:]):
             self.running.remove(seq)
             self.kv.free(seq)
+            seq.num_computed_tokens = 0
             seq.status = WAITING
             self.waiting.appendleft(seq)
 

@@ -47,8 +47,54 @@ class KVBackend(Protocol):
     # --- what the runner asks for a step's StepMeta, and after its forward
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]: ...
     def block_table(self, seq: Sequence) -> list[int]: ...
-    def commit(self) -> None:
-        """The step's forward has written its K/V."""
+    def commit(self, seqs: list[Sequence]) -> None:
+        """The step's forward has written the K/V of `seqs` (their
+        num_computed_tokens say how far)."""
+
 
 # %% auto #0
-__all__ = ['KVBackend']
+__all__ = ['KVBackend', 'packed_groups', 'packed_attention']
+
+# %% ../../chapters/04_continuous_batching.ipynb #c31a-packed
+def packed_groups(meta: StepMeta) -> list[tuple[torch.Tensor | slice, StepMeta]]:
+    """How a packed step attends: the requests with one new token together (a
+    batch of rows, [n, 1]), each longer run of new tokens (a prompt or a chunk
+    of one) on its own. Returns (where the tokens sit in the row, a StepMeta of
+    rows for `gather` and the mask); made once per forward (meta.cache)."""
+    if "packed" not in meta.cache:
+        starts = meta.query_start_loc.tolist()  # the step's one read to the host
+        lens = meta.seq_lens.tolist()
+        ones = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+        groups = []
+        if ones:
+            at = torch.tensor([starts[i] for i in ones], device=meta.positions.device)
+            rows = torch.tensor(ones, device=at.device)
+            groups.append((at, StepMeta(
+                positions=meta.positions[0, at][:, None],
+                block_tables=meta.block_tables[rows],
+                max_context=max(lens[i] for i in ones))))
+        for i in range(len(lens)):
+            if starts[i + 1] - starts[i] > 1:
+                run = slice(starts[i], starts[i + 1])
+                groups.append((run, StepMeta(
+                    positions=meta.positions[:, run],
+                    block_tables=meta.block_tables[i:i + 1], max_context=lens[i])))
+        meta.cache["packed"] = groups
+    return meta.cache["packed"]
+
+
+def packed_attention(kv, layer_idx: int, q: torch.Tensor,
+                     meta: StepMeta) -> torch.Tensor:
+    """Attention of a packed step, q [1, heads, T, d]: every request attends over
+    its own positions only, causally, through the backend's `gather`."""
+    from minillm.kv.contiguous import cached_attention
+    out = torch.empty_like(q)
+    for where, rows in packed_groups(meta):
+        k_all, v_all = kv.gather(layer_idx, rows)
+        if isinstance(where, slice):  # one request's run of tokens: [1, heads, L, d]
+            out[:, :, where] = cached_attention(q[:, :, where], k_all, v_all, rows)
+        else:  # one token per request: [n, heads, 1, d]
+            one = q[0, :, where].transpose(0, 1)[:, :, None]
+            att = cached_attention(one, k_all, v_all, rows)
+            out[0, :, where] = att[:, :, 0].transpose(0, 1)
+    return out

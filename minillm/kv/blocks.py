@@ -48,7 +48,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}       # hash -> block that holds those tokens
         self.tables: dict[str, list[int]] = {}   # request id -> its blocks, in order
         self.computed: dict[str, int] = {}       # request id -> tokens found in cache
-        self.pending: dict[str, list[tuple]] = {}  # (block, hash, key) to publish
+        self.pending: dict[str, list[tuple]] = {}  # (end, block, hash, key)
         self.unpublished: set[str] = set()       # computed before a reset: never shared
         self.hits = self.queries = 0             # prefix-cache statistics, in blocks
 
@@ -128,7 +128,7 @@ class BlockManager:
             block = self._take(self._evict())
             table.append(block)
             if i < len(keys):  # a full block: name it once its K/V is written
-                pending.append((block, *keys[i]))
+                pending.append(((i + 1) * self.block_size, block, *keys[i]))
         self.tables[request_id] = table
         self.pending[request_id] = pending
         self.computed[request_id] = len(shared) * self.block_size
@@ -151,17 +151,24 @@ class BlockManager:
         if (self.enable_prefix_caching and n % self.block_size == 0  # fills a block
                 and request_id not in self.unpublished):
             h, key = self.block_keys(token_ids)[-1]
-            self.pending.setdefault(request_id, []).append((table[-1], h, key))
+            self.pending.setdefault(request_id, []).append((n, table[-1], h, key))
 
-    def publish(self) -> None:
-        """The last forward wrote its K/V: its full blocks may now be shared."""
-        for entries in self.pending.values():
-            for block, h, key in entries:
-                if h not in self.cached:
+    def publish(self, written: dict[str, int] | None = None) -> None:
+        """The last forward wrote its K/V: its full blocks may now be shared.
+        written: how many first tokens of each request have K/V now (None: all);
+        a block of a prompt computed in chunks waits for its last token."""
+        for request_id, entries in list(self.pending.items()):
+            done = None if written is None else written.get(request_id, 0)
+            later = [e for e in entries if done is not None and e[0] > done]
+            for end, block, h, key in entries:
+                if (done is None or end <= done) and h not in self.cached:
                     self.cached[h] = block
                     self.hash_of[block] = h
                     self.key_of[block] = key
-        self.pending = {}
+            if later:
+                self.pending[request_id] = later
+            else:
+                del self.pending[request_id]
 
     def free(self, request_id: str) -> None:
         """Give back a request's blocks (shared ones stay while others use them).

@@ -128,22 +128,36 @@ class PagedKVCache(KVCache):
     def block_table(self, seq: Sequence) -> list[int]:
         return list(self.blocks.tables[seq.request_id])
 
-    def commit(self) -> None:
+    def commit(self, seqs: list[Sequence] | None = None) -> None:
         """The step's forward wrote every layer: the blocks it filled are final, and
-        from now on other requests may share them (prefix caching)."""
-        self.blocks.publish()
+        from now on other requests may share them (prefix caching). seqs: the step's
+        requests, whose num_computed_tokens say how far (None: every block)."""
+        self.blocks.publish(None if seqs is None else
+                            {s.request_id: s.num_computed_tokens for s in seqs})
 
     # --- attention through block tables ---
     def gather(self, layer_idx: int, meta: StepMeta):
         """[B, kv_heads, S, head_dim]: each row's blocks, in table order, as one run of
-        positions (a copy: the reference; a kernel would read the blocks in place)."""
-        k_blocks, v_blocks = self.rows(layer_idx)  # [num_blocks, block_size, h, d]
+        positions. The slots to read are worked out once per forward, and every layer
+        copies its K/V into the same two buffers (a GPU kernel such as vLLM's reads
+        the blocks in place instead)."""
         table = meta.block_tables
         S = meta.max_context or table.shape[1] * self.block_size
-        table = table[:, :-(-S // self.block_size)]
-        k = k_blocks[table].flatten(1, 2)[:, :S]
-        v = v_blocks[table].flatten(1, 2)[:, :S]
-        return k.transpose(1, 2), v.transpose(1, 2)
+        key = ("gather", S)
+        if key not in meta.cache:  # the first layer of the forward
+            table = table[:, :-(-S // self.block_size)]
+            offsets = torch.arange(self.block_size, device=table.device)
+            slots = (table[:, :, None] * self.block_size + offsets).flatten(1)[:, :S]
+            k = self.k[0]
+            buffers = torch.empty((2, slots.numel(), *k.shape[1:]), dtype=k.dtype,
+                                  device=k.device)
+            meta.cache[key] = slots.reshape(-1), buffers
+        slots, (k, v) = meta.cache[key]
+        torch.index_select(self.k[layer_idx], 0, slots, out=k)
+        torch.index_select(self.v[layer_idx], 0, slots, out=v)
+        B = table.shape[0]
+        return (k.view(B, S, *k.shape[1:]).transpose(1, 2),
+                v.view(B, S, *v.shape[1:]).transpose(1, 2))
 
     def __repr__(self) -> str:
         _, h, d = self.k[0].shape

@@ -102,7 +102,7 @@ class SlotKVCache(KVCache):
     def block_table(self, seq: Sequence) -> list[int]:
         return [self.row_of[seq.request_id]]
 
-    def commit(self) -> None:
+    def commit(self, seqs: list[Sequence] = ()) -> None:
         """The step's K/V are in their rows: nothing more to do (nothing is shared)."""
 
 # %% auto #0
