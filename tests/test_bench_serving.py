@@ -184,6 +184,8 @@ def no_load(monkeypatch):
     (dict(output_tokens=5), "output_tokens=5"),
     (dict(prompt_tokens=(4, 100), output_tokens=(2, 40)), "context of 128"),
     (dict(max_num_batched_tokens=8), "max_num_batched_tokens=8 is smaller"),
+    (dict(rounds=0), "rounds=0"),
+    (dict(rounds=1.5), "rounds=1.5"),
 ])
 def test_bad_arguments_raise_before_any_work(folder, no_load, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -229,6 +231,7 @@ def no_run(monkeypatch):
     (["--prompt-tokens", "100", "120", "--output-tokens", "2", "20"], "context of 128"),
     ([*SMALL_CLI, "--prompts", "shakespeare"], "tokenizer.json"),
     (["--model", "no-such-model"], "model='no-such-model'; allowed"),
+    ([*SMALL_CLI, "--rounds", "0"], "rounds=0"),
 ])
 def test_bad_cli_arguments_exit_with_status_2(folder, tmp_path, no_run, capsys, args,
                                               message):
@@ -287,3 +290,30 @@ def test_recorded_runs_serve_the_same_requests():
         lengths[mode] = [(x["request"], x["prompt_tokens"], x["output_tokens"])
                          for x in csv.DictReader(path.open())]
     assert lengths["offline"] == lengths["rate4"]
+
+
+def test_rounds_run_the_methods_in_turns_and_keep_the_median_run(folder, monkeypatch):
+    """rounds=3: each round runs every method once (A B A B A B, after the warm-up), and
+    a method's row is its run of median wall time, with the spread beside it."""
+    order, walls = [], iter([5.0, 1.0, 3.0, 2.0, 4.0, 9.0])  # A, B, A, B, A, B
+    real = bs.run_engine
+
+    def timed(model, reqs, policy, *args, **kwargs):
+        run = real(model, reqs, policy, *args, **kwargs)
+        if len(reqs) == 6:  # not the warm-up
+            order.append(policy)
+            run.wall_s = next(walls)
+        return run
+    monkeypatch.setattr(bs, "run_engine", timed)
+    result = bs.run_serving_benchmark(
+        folder, **{**SMALL, "methods": ("minillm-static", "minillm-continuous"),
+                   "rounds": 3})
+    assert order == ["static", "continuous"] * 3
+    total = result.row("minillm static")["useful_tokens"]
+    static, cont = result.row("minillm static"), result.row("minillm continuous")
+    assert static["wall_s"] == 4.0 and cont["wall_s"] == 2.0  # the medians
+    assert static["output_tok_s_min"] == total / 5.0
+    assert static["output_tok_s_max"] == total / 3.0
+    assert cont["output_tok_s_min"] == total / 9.0 and cont["rounds"] == 3
+    assert static["same_tokens"] and cont["same_tokens"]  # in every round
+    assert "the median of 3 rounds in turns" in result.describe()

