@@ -86,11 +86,13 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:
                 break  # the budget is spent: the rest wait a step
+            preemptions = self.num_preemptions
             if self._make_room(seq):  # False: it was preempted itself
                 seqs.append(seq)
                 num_new.append(n)
                 budget -= n
-            if any(s not in self.running for s in seqs):  # a victim ran already
+            if self.num_preemptions != preemptions and any(  # a victim ran already
+                    s not in self.running for s in seqs):
                 num_new = [n for s, n in zip(seqs, num_new) if s in self.running]
                 seqs = [s for s in seqs if s in self.running]
                 budget = self.max_num_batched_tokens - sum(num_new)
