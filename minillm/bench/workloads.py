@@ -73,10 +73,13 @@ def make_workload(config: ModelConfig, num_requests: int = 64,
                   prompt_tokens: tuple[int, int] = (16, 128),
                   output_tokens: tuple[int, int] = (16, 256),
                   rate: float | None = None, seed: int = 0,
-                  model_path=None) -> list[Request]:
+                  model_path=None,
+                  long_prompts: tuple[float, int] | None = None) -> list[Request]:
     """The requests, seeded. Prompts are cut from held-out Shakespeare when
     `model_path` is given (it must have a tokenizer), else drawn at random.
     Lengths are uniform in the (low, high) ranges, both ends included.
+    long_prompts=(share, tokens): each prompt is instead `tokens` long with
+    probability `share` (a few long documents among short chats).
     rate=None: all arrive at 0; else Poisson arrivals, `rate` requests/s. The arrival
     times are drawn last: offline and online runs serve the same requests."""
     rng = random.Random(seed)
@@ -85,6 +88,8 @@ def make_workload(config: ModelConfig, num_requests: int = 64,
     requests = []
     for i in range(num_requests):
         length = rng.randint(*prompt_tokens)
+        if long_prompts is not None and rng.random() < long_prompts[0]:
+            length = long_prompts[1]
         n_out = rng.randint(*output_tokens)
         if corpus is None:
             prompt = [rng.randrange(config.vocab_size) for _ in range(length)]
@@ -144,7 +149,8 @@ def is_int(value, low: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= low
 
 
-def check_workload(num_requests, rate, seed, prompt_tokens, output_tokens) -> None:
+def check_workload(num_requests, rate, seed, prompt_tokens, output_tokens,
+                   long_prompts=None) -> None:
     """The workload's own arguments, checked before any work."""
     for name, value, low in [("num_requests", num_requests, 1), ("seed", seed, 0)]:
         if not is_int(value, low):
@@ -159,6 +165,13 @@ def check_workload(num_requests, rate, seed, prompt_tokens, output_tokens) -> No
                          "time 0) or a number of requests per second > 0")
     check_range("prompt_tokens", prompt_tokens, 1)
     check_range("output_tokens", output_tokens, 1)
+    if long_prompts is not None:
+        ok = isinstance(long_prompts, (tuple, list)) and len(long_prompts) == 2
+        share, tokens = long_prompts if ok else (None, None)
+        if not (ok and isinstance(share, (int, float)) and not isinstance(share, bool)
+                and 0 < share <= 1 and is_int(tokens, 1)):
+            raise ValueError(f"long_prompts={long_prompts!r}: must be None or "
+                             "(share, tokens), 0 < share <= 1 and tokens an int >= 1")
 
 
 def add_workload_arguments(parser, requests: int, prompt_tokens: tuple[int, int],
