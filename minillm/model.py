@@ -17,7 +17,8 @@ import torch.nn.functional as F
 # %% auto #0
 __all__ = ['SUPPORTED_ARCHITECTURES', 'FLOAT_DTYPES', 'QUANTIZATIONS', 'ModelConfig', 'RMSNorm', 'rope_frequencies',
            'RotaryEmbedding', 'rotate_half', 'apply_rope', 'StepMeta', 'Attention', 'MLP', 'Block', 'Transformer',
-           'resolve_folder', 'safetensors_files', 'read_safetensors_header', 'resolve_device', 'load_model']
+           'resolve_folder', 'safetensors_files', 'read_safetensors_header', 'resolve_device', 'cuda_bf16',
+           'load_model']
 
 # %% ../chapters/02_naive_loop.ipynb #c010f
 _REQUIRED = object()
@@ -546,6 +547,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def cuda_bf16(device: torch.device) -> bool:
+    """Does this GPU compute in bfloat16 natively? Not a T4: torch's default check
+    counts emulation (slow) and asks about the current GPU, not `device`."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def _check_dtype(dtype, device: torch.device) -> torch.dtype:
     """The dtype to load in (a torch dtype or its name); ValueError if the device
     cannot compute in it."""
@@ -554,8 +562,7 @@ def _check_dtype(dtype, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype {dtype} is not supported; use torch.float32, "
                          "torch.float16 or torch.bfloat16")
     dtype = getattr(torch, name)
-    if device.type == "cuda" and dtype == torch.bfloat16 \
-            and not torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and dtype == torch.bfloat16 and not cuda_bf16(device):
         raise ValueError(f"this GPU ({torch.cuda.get_device_name(device)}) cannot run "
                          "bfloat16; use torch.float16")
     if device.type == "cpu" and dtype == torch.float16:
@@ -634,8 +641,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
         saved = str(config.torch_dtype).removeprefix("torch.")
         dtype = saved if device.type != "cpu" and saved in ("float16", "bfloat16") \
             else "float32"
-        if device.type == "cuda" and dtype == "bfloat16" \
-                and not torch.cuda.is_bf16_supported():
+        if device.type == "cuda" and dtype == "bfloat16" and not cuda_bf16(device):
             dtype = "float16"  # e.g. a Colab T4 cannot run the checkpoint's bfloat16
         dtype = _check_dtype(dtype, device)
 

@@ -27,6 +27,12 @@ def folder(tmp_path_factory, folder_weights):
     return path
 
 
+def needs_cuda(item) -> bool:
+    """Marked `cuda`. Not `"cuda" in item.keywords`: that also matches a parametrize
+    id such as test_devices_this_machine_lacks[cuda], which then ran nowhere."""
+    return item.get_closest_marker("cuda") is not None
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` need a CUDA GPU: skipped without one (tools/gpu_check.sh)."""
     import torch
@@ -34,5 +40,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run tools/gpu_check.sh on one)")
     for item in items:
-        if "cuda" in item.keywords:
+        if needs_cuda(item):
             item.add_marker(skip)

@@ -384,7 +384,9 @@ def test_unchunked_computes_prompts_whole_and_makes_the_same_tokens(folder):
         mp.undo()
     longest = max(r["prompt_tokens"] for r in res.requests)
     assert longest == 30
-    assert seen[-2:] == [(True, 4), (False, 30)]
+    assert seen[-2:] == [(True, 4), (False, 30 + 3)]  # + max_num_seqs
     assert res.row("minillm-unchunked")["same_tokens"] is True
+    for method in ("minillm-continuous", "minillm-unchunked"):  # a chunk is no padding
+        assert res.row(method)["padding_rows"] == 0
     assert res.info["long_prompts"] == "30 tokens, share 0.5"
     assert res.info["max_num_batched_tokens"] == 4

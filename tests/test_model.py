@@ -431,3 +431,29 @@ def test_model_config_built_by_hand_is_checked_too(field, value):
 def test_from_hf_needs_a_dict_or_a_path(config):
     with pytest.raises(ValueError, match=type(config).__name__):
         ModelConfig.from_hf(config)
+
+
+def test_bf16_is_asked_of_the_given_gpu_without_emulation(monkeypatch):
+    """A T4 emulates bfloat16 (slowly): torch's default check says yes to it and asks
+    the current GPU. cuda_bf16 asks `device`, natively only."""
+    import contextlib
+
+    from minillm import model as mm
+    asked = []
+
+    @contextlib.contextmanager
+    def on(device):
+        asked.append(("device", device))
+        yield
+
+    def supported(including_emulation=True):
+        asked.append(("emulation", including_emulation))
+        return including_emulation  # a T4: only emulated
+
+    monkeypatch.setattr(torch.cuda, "device", on)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
+    assert mm.cuda_bf16(torch.device("cuda:1")) is False
+    assert asked == [("device", torch.device("cuda:1")), ("emulation", False)]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Tesla T4")
+    with pytest.raises(ValueError, match=r"Tesla T4.*bfloat16; use torch.float16"):
+        mm._check_dtype("bfloat16", torch.device("cuda:0"))

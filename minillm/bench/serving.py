@@ -173,8 +173,8 @@ def run_engine(model, requests: list[Request], policy: str, max_num_seqs: int,
         served.append(Served(int(rid), seq.output_ids,
                              [t - t0 for t in seq.token_times]))
     rows = sum(step.rows for step in engine.history)
-    useful = sum(step.useful_rows for step in engine.history)
-    return MethodRun(name, served, wall, rows, rows - useful)
+    padding = sum(step.tokens - step.useful_tokens for step in engine.history)
+    return MethodRun(name, served, wall, rows, padding)  # a prompt's chunk: no padding
 
 # %% auto #0
 __all__ = ['METHODS', 'DEFAULT_METHODS', 'main', 'Served', 'MethodRun', 'run_transformers', 'run_one_by_one', 'run_engine',
@@ -322,7 +322,8 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
     max_num_batched_tokens: the continuous engine's step budget (longer prompts
     are chunked); None: max_num_seqs x the longest prompt, so that a whole batch
     is admitted in one prefill. Static batching always gets that; "unchunked" at
-    least the longest prompt, which it needs whole.
+    least the longest prompt plus a token for each running request, so that a
+    whole prompt fits beside them.
     long_prompts: (share, tokens), see make_workload.
     rounds: serve the workload this many times in turns (each round runs every
     method once); each method's row is its run of median wall time.
@@ -365,7 +366,8 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
                                   name, bar)
             if key == "minillm-unchunked":
                 return run_engine(model, reqs, "continuous", max_num_seqs,
-                                  max(budget, longest_prompt), name, bar,
+                                  max(budget, longest_prompt + max_num_seqs), name,
+                                  bar,
                                   enable_chunked_prefill=False)
             return run_engine(model, reqs, "continuous", max_num_seqs, budget, name,
                               bar)
