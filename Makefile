@@ -16,7 +16,7 @@ BOOK_ENV := TQDM_DISABLE=1
 JB      := $(BOOK_ENV) $(VENV)/bin/jupyter-book
 
 .PHONY: help install lock sandbox export clean-notebooks test unit nbval site site-from-nbval browser colab book \
-	book-strict lab figures model bench clean setup-cells
+	book-strict lab figures model bench gpu-check clean setup-cells
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -132,6 +132,9 @@ bench: $(STAMP)  ## KV-cache (ch. 3), serving (ch. 4), INT8 (ch. 5), paged-KV (c
 	$(PY) -m minillm.bench paged --model bundled --requests 48 --kv-positions 3072 --max-model-len 512 --shared-prefix 256 --prompt-tokens 8 32 --output-tokens 32 96 --rate 2 --threads 1 --out data/benchmarks
 	$(PY) -m minillm.bench decode --model bundled --batch 1 16 --threads 2 --out data/benchmarks
 	$(PY) -m minillm.bench decode --model SmolLM2-135M --batch 1 16 --repeats 2 --threads 2 --out data/benchmarks
+
+gpu-check:  ## the GPU checks, sized for 10 minutes (tools/gpu_check.sh; results in $$OUT); GPU_CHECK_DRY=1: a dry run here
+	tools/gpu_check.sh
 
 clean:  ## remove build output (keeps .venv)
 	rm -rf _build .pytest_cache

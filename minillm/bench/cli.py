@@ -102,7 +102,9 @@ def command(parser: Callable[[], argparse.ArgumentParser],
     """The main() of every benchmark: parse the arguments, check each one before any
     work (a bad one ends the command as a usage error, status 2), run with --threads
     torch threads, print the table and, unless --no-csv, write the CSV files.
-    check(args) -> what run needs; run(args, checked) -> (table, write(folder))."""
+    check(args) -> what run needs; run(args, checked) -> (table, write(folder)).
+    With MINILLM_BENCH_DRY_RUN=1 it stops after the checks (tools/gpu_check.sh's
+    dry run: a typo costs no GPU minutes)."""
     def main(argv: list[str] | None = None) -> int:
         p = parser()
         args = p.parse_args(argv)
@@ -110,6 +112,10 @@ def command(parser: Callable[[], argparse.ArgumentParser],
             checked = check(args)
         except (ValueError, FileNotFoundError) as e:
             p.error(str(e))  # prints the usage and the message, exits with status 2
+        if os.environ.get("MINILLM_BENCH_DRY_RUN") == "1":
+            print(f"dry run: {p.prog} {' '.join(argv or sys.argv[1:])}: arguments "
+                  "checked, nothing run")
+            return 0
         with torch_threads(args.threads), usage_errors(p):
             table, write_files = run(args, checked)
         return report(table, write_files, args)
