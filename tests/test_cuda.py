@@ -58,3 +58,16 @@ def test_int8_modes_generate_like_their_cpu_twins(models, mode):
              for a, b in zip(generate(qc, p, greedy(16, ignore_eos=True)),
                              generate(qg, p, greedy(16, ignore_eos=True)))]
     assert sum(agree) / len(agree) > 0.9  # float rounding may flip near-ties
+
+
+def test_gpu_memory_utilization_sizes_the_pool_from_a_warm_up(models):
+    """The pool fits in the share asked for, beside the weights and the warm-up
+    peak, and the engine still gives generate's tokens."""
+    _, gpu = models
+    total = torch.cuda.mem_get_info()[1]
+    engine = LLMEngine(gpu, max_num_seqs=4, kv_cache="paged",
+                       gpu_memory_utilization=0.05)
+    assert 0 < engine.kv.nbytes <= 0.05 * total
+    served = drive(engine, [(0, p, PARAMS) for p in PROMPTS])
+    assert [r.seq.output_ids for r in served.values()] == [generate(gpu, p, PARAMS)
+                                                           for p in PROMPTS]

@@ -102,11 +102,12 @@ class LLMEngine:
         if kv_cache == "paged":  # Chapter 6: blocks (num_blocks or kv_cache_bytes, ...)
             import inspect
             from minillm.kv.paged import paged_cache
-            options = list(inspect.signature(paged_cache).parameters)[4:]
+            options = list(inspect.signature(paged_cache).parameters)[5:]
             if set(paged) - set(options):
                 raise ValueError(f"{sorted(set(paged) - set(options))}: not an option "
                                  f"of LLMEngine; the paged cache takes {options}")
-            self.kv = paged_cache(model, max_num_seqs, max_model_len, policy, **paged)
+            self.kv = paged_cache(model, max_num_seqs, max_model_len, policy,
+                                  max_num_batched_tokens, **paged)
         elif kv_cache == "slots":
             if paged:
                 raise ValueError(f"{sorted(paged)}: options of kv_cache='paged'")

@@ -167,18 +167,79 @@ class PagedKVCache(KVCache):
                 f"{self.nbytes / 2**20:.2f} MiB)")
 
 # %% auto #0
-__all__ = ['token_ids', 'PagedKVCache', 'paged_cache']
+__all__ = ['token_ids', 'PagedKVCache', 'check_utilization', 'kv_bytes_from_memory', 'profile_kv_bytes', 'paged_cache']
+
+# %% ../../chapters/06_paged_attention.ipynb #c37b-memory
+def check_utilization(utilization) -> None:
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) \
+            or not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization={utilization!r}: must be a number "
+                         "in (0, 1], the share of the GPU's memory this engine may use")
+
+
+def kv_bytes_from_memory(utilization: float, total: int, used: int, peak: int,
+                         current: int) -> int:
+    """The KV pool's bytes: of `total`, `utilization` may be used; `used` (now, by
+    every process) and the warm-up's rise above it (`peak - current`) stay free."""
+    check_utilization(utilization)
+    allowed = int(total * utilization)
+    kv = allowed - used - (peak - current)
+    if kv <= 0:
+        gib = 2**30
+        raise KVMemoryError(
+            f"gpu_memory_utilization={utilization}: {allowed / gib:.2f} GiB of "
+            f"{total / gib:.2f} GiB allowed, {used / gib:.2f} GiB in use and the "
+            f"warm-up step peaked {(peak - current) / gib:.2f} GiB above that: no room "
+            "for the KV cache; raise gpu_memory_utilization, lower "
+            "max_num_batched_tokens, or use a smaller model")
+    return kv
+
+
+def profile_kv_bytes(model, utilization: float, num_tokens: int,
+                     max_model_len: int) -> int:
+    """One warm-up forward of `num_tokens` tokens (rows of up to max_model_len), then
+    kv_bytes_from_memory with what the GPU reports."""
+    device = model.embed_tokens.weight.device
+    if device.type != "cuda":
+        raise ValueError(f"gpu_memory_utilization={utilization!r} sizes the KV pool "
+                         f"from a CUDA GPU's memory; the model is on {device}: give "
+                         "num_blocks or kv_cache_bytes")
+    length = min(num_tokens, max_model_len)
+    rows = -(-num_tokens // length)
+    ids = torch.zeros((rows, length), dtype=torch.long, device=device)
+    positions = torch.arange(length, device=device).expand(rows, -1)
+    last = torch.full((rows,), length - 1, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        model(ids, positions, meta=StepMeta(positions=positions, logits_index=last))
+    torch.cuda.synchronize(device)
+    stats = torch.cuda.memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return kv_bytes_from_memory(utilization, total, total - free,
+                                stats["allocated_bytes.all.peak"],
+                                stats["allocated_bytes.all.current"])
 
 # %% ../../chapters/06_paged_attention.ipynb #c37-parts
 def paged_cache(model, max_num_seqs: int, max_model_len: int,
-                policy: str = "continuous", num_blocks: int | None = None,
-                kv_cache_bytes: int | None = None, block_size: int = 16,
-                enable_prefix_caching: bool = True) -> PagedKVCache:
-    """The KV pool of LLMEngine(kv_cache="paged"). The pool is
-    num_blocks blocks, or as many as fit in kv_cache_bytes; neither: as many positions
-    as chapter 4's slots would reserve (max_num_seqs x max_model_len)."""
+                policy: str = "continuous", max_num_batched_tokens: int = 2048,
+                num_blocks: int | None = None, kv_cache_bytes: int | None = None,
+                block_size: int = 16, enable_prefix_caching: bool = True,
+                gpu_memory_utilization: float | None = None) -> PagedKVCache:
+    """The KV pool of LLMEngine(kv_cache="paged"). The pool is num_blocks blocks,
+    or as many as fit in kv_cache_bytes, or (on a GPU) in what gpu_memory_utilization
+    leaves after a warm-up step of max_num_batched_tokens tokens; none of them: as
+    many positions as chapter 4's slots would reserve (max_num_seqs x max_model_len)."""
     if policy != "continuous":
         raise ValueError(f"policy={policy!r}: kv_cache='paged' schedules continuously")
+    if gpu_memory_utilization is not None:
+        if num_blocks is not None or kv_cache_bytes is not None:
+            raise ValueError("give one of num_blocks, kv_cache_bytes and "
+                             "gpu_memory_utilization")
+        check_utilization(gpu_memory_utilization)
+        kv_cache_bytes = profile_kv_bytes(model, gpu_memory_utilization,
+                                          max_num_batched_tokens, max_model_len)
     if num_blocks is None and kv_cache_bytes is None:
         num_blocks = -(-max_num_seqs * max_model_len // check_block_size(block_size))
         try:
