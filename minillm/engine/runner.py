@@ -45,6 +45,7 @@ class ModelRunner:
                           [end - 1 for end in starts[1:]])
         meta.query_start_loc = self._tensor(starts)
         meta.seq_lens = self._tensor(lens)
+        meta.cache["host"] = starts, lens  # attention's plan: no read from the device
         return self._tensor([ids]), meta
 
     def prepare_decode(self, seqs: list[Sequence]):
@@ -116,18 +117,34 @@ class ModelRunner:
             none = torch.empty(0, dtype=torch.long, device=self.device)
             history = [torch.tensor(s.prompt_ids + s.output_ids, device=self.device)
                        if s.params.repetition_penalty != 1.0 else none for s in seqs]
+        ok = torch.isfinite(logits.amax(-1))  # NaN/inf from the model: not drawn from
+        safe = torch.where(ok[:, None], logits, torch.zeros((), device=logits.device,
+                                                              dtype=logits.dtype))
         try:
-            return sample(logits, params, generators, prev_ids=history).tolist()
+            ids = sample(safe, params, generators, prev_ids=history, check=False)
         except ValueError:  # find the rows that fail: each on its own
-            out = []
-            for i in range(len(seqs)):
-                try:
-                    out += sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1],
-                                  prev_ids=None if history is None
-                                  else history[i:i + 1]).tolist()
-                except ValueError as e:
-                    out.append(type(e)(f"request {seqs[i].request_id!r}: {e}"))
-            return out
+            return self._checked(seqs, logits, params, generators, history,
+                                 range(len(seqs)))
+        n = len(seqs)
+        both = torch.cat([ids, ok.long()]).tolist()  # the step's one device read
+        out, fine = both[:n], both[n:]
+        bad = [i for i in range(n) if not fine[i]]  # each ends with its error
+        for i, error in zip(bad, self._checked(seqs, logits, params, generators,
+                                               history, bad)):
+            out[i] = error
+        return out
+
+    def _checked(self, seqs, logits, params, generators, history, rows) -> list:
+        """Rows `rows` sampled one by one, with the checks: a token or the error."""
+        out = []
+        for i in rows:
+            try:
+                out += sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1],
+                              prev_ids=None if history is None
+                              else history[i:i + 1]).tolist()
+            except ValueError as e:
+                out.append(type(e)(f"request {seqs[i].request_id!r}: {e}"))
+        return out
 
 # %% auto #0
 __all__ = ['ModelRunner']

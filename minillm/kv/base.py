@@ -62,8 +62,8 @@ def packed_groups(meta: StepMeta) -> list[tuple[torch.Tensor | slice, StepMeta]]
     of one) on its own. Returns (where the tokens sit in the row, a StepMeta of
     rows for `gather` and the mask); made once per forward (meta.cache)."""
     if "packed" not in meta.cache:
-        starts = meta.query_start_loc.tolist()  # the step's one read to the host
-        lens = meta.seq_lens.tolist()
+        starts, lens = meta.cache.get("host") or (  # the runner's lists, or a read
+            meta.query_start_loc.tolist(), meta.seq_lens.tolist())
         ones = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
         groups = []
         if ones:
