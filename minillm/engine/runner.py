@@ -118,8 +118,9 @@ class ModelRunner:
             history = [torch.tensor(s.prompt_ids + s.output_ids, device=self.device)
                        if s.params.repetition_penalty != 1.0 else none for s in seqs]
         ok = torch.isfinite(logits.amax(-1))  # NaN/inf from the model: not drawn from
-        safe = torch.where(ok[:, None], logits, torch.zeros((), device=logits.device,
-                                                              dtype=logits.dtype))
+        zero = torch.zeros((), device=logits.device, dtype=logits.dtype)
+        safe = (logits if all(p.greedy for p in params)  # nothing drawn: no copy
+                else torch.where(ok[:, None], logits, zero))
         try:
             ids = sample(safe, params, generators, prev_ids=history, check=False)
         except ValueError:  # find the rows that fail: each on its own
