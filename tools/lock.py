@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "requirements.lock"
 NODEPS = ROOT / "requirements-nodeps.txt"  # installed --no-deps after the lock
-EXTRAS = "book,test,lab"
+EXTRAS = "book,serve,test,lab"
 
 
 def run(*cmd: str) -> str:
