@@ -4,3 +4,17 @@
 Every module except this one is exported from a chapter notebook in chapters/ (`make export`).
 """
 __version__ = "0.1.0"
+
+# The front door with vLLM's names: `from minillm import LLM, SamplingParams`. Imported
+# when first used, so `python -m minillm.bench` and the chapters' first cells stay light.
+_FRONT = {"LLM": "minillm.engine.llm", "LLMEngine": "minillm.engine.llm",
+          "RequestOutput": "minillm.engine.llm", "CompletionOutput": "minillm.engine.llm",
+          "SamplingParams": "minillm.sampling"}
+__all__ = list(_FRONT)
+
+
+def __getattr__(name: str):
+    if name in _FRONT:
+        import importlib
+        return getattr(importlib.import_module(_FRONT[name]), name)
+    raise AttributeError(f"module 'minillm' has no attribute {name!r}")

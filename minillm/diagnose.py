@@ -78,7 +78,7 @@ def eos_probability(model, prompt_ids: list[int], answer_ids: list[int],
 # %% ../chapters/08_troubleshooting.ipynb #c5sb-early
 def stop_cause(output, params, model) -> str:
     """Which rule ended a finished answer, in more detail than finish_reason:
-    'max_new_tokens=N', 'stop id N', 'EOS (id N)' or "stop string '...'".
+    'max_tokens=N', 'stop id N', 'EOS (id N)' or "stop string '...'".
     `output`: a CompletionOutput (or a Sequence); `params`: its SamplingParams;
     `model`: the model or its config (for the EOS ids). An aborted or failed
     answer gives its finish_reason."""
@@ -86,7 +86,7 @@ def stop_cause(output, params, model) -> str:
     if reason is None:
         raise ValueError("the answer has not finished: it has no stop cause")
     if reason == "length":
-        return f"max_new_tokens={params.max_new_tokens}"
+        return f"max_tokens={params.max_tokens}"
     if reason != "stop":
         return reason  # "abort" or "error"
     ids = getattr(output, "token_ids", None)
@@ -98,14 +98,11 @@ def stop_cause(output, params, model) -> str:
         return f"stop id {last}"
     if last in eos and not params.ignore_eos:
         return f"EOS (id {last})"
-    text = output.text
-    fired = [s for s in params.stop if s in text]
-    if fired:  # the engine stopped right after the one that ends last
-        last_one = max(fired, key=lambda s: text.rfind(s) + len(s))
-        return f"stop string {last_one!r}"
+    if isinstance(output.stop_reason, str):  # the stop string that fired
+        return f"stop string {output.stop_reason!r}"
     raise ValueError(f"finish_reason 'stop', but the last id {last} is not EOS "
-                     f"{list(eos)} nor a stop id, and the text holds none of "
-                     f"stop={list(params.stop)}: are these its params?")
+                     f"{list(eos)} nor a stop id, and no stop string fired "
+                     f"(stop={list(params.stop)}): are these its params?")
 
 # %% ../chapters/08_troubleshooting.ipynb #c5ta-format
 def answer_loss(model, prompt_ids: list[int], answer_ids: list[int]) -> float:

@@ -60,18 +60,21 @@ def generate_tokens(model, prompt_ids, params: SamplingParams | None = None,
     """Yield new token ids one by one: one prefill forward, then one forward per token.
 
     The stop rules are those of `naive_generate` (they live in Sequence):
-    max_new_tokens, the model's EOS (unless ignore_eos), params.stop_token_ids, and
+    max_tokens, the model's EOS (unless ignore_eos), params.stop_token_ids, and
     params.stop strings (these need `tokenizer`).
     The token that stops generation is yielded too. `cache`: a KVCache to reuse (it is
-    reset); by default a new one of exactly len(prompt) + max_new_tokens positions.
+    reset); by default a new one of exactly len(prompt) + max_tokens positions.
     """
     if params is not None and not isinstance(params, SamplingParams):
         raise ValueError(f"params={params!r}: give a minillm.sampling.SamplingParams")
     seq = Sequence.create(model, prompt_ids, params, tokenizer)  # checks everything
+    if seq.params.n != 1:
+        raise ValueError(f"n={seq.params.n}: this loop makes one answer; the engine "
+                         "(Chapter 4, LLM.generate) makes n")
     if cache is None:
-        cache = KVCache.from_model(model, seq.max_tokens)
+        cache = KVCache.from_model(model, seq.max_positions)
     else:
-        check_cache(cache, model, seq.max_tokens)
+        check_cache(cache, model, seq.max_positions)
     me = object()  # who uses the cache now
     cache.reset()
     cache.owner = me
@@ -91,8 +94,8 @@ def _decode_loop(model, seq: Sequence, cache: KVCache, me: object) -> Iterator[i
     params = seq.params
     device = model.embed_tokens.weight.device
     generator = make_generator(params, device)
-    tokens = torch.zeros(1, seq.max_tokens, dtype=torch.long, device=device)
-    penalize = params.repetition_penalty != 1.0  # the only reader of `tokens`
+    tokens = torch.zeros(1, seq.max_positions, dtype=torch.long, device=device)
+    penalize = params.penalized  # the penalties are the only readers of `tokens`
     n = len(seq.prompt_ids)
     tokens[0, :n] = torch.tensor(seq.prompt_ids)
     # prefill: the whole prompt in one forward
@@ -100,13 +103,15 @@ def _decode_loop(model, seq: Sequence, cache: KVCache, me: object) -> Iterator[i
     logits = model(tokens[:, :n], meta.positions, kv=cache, meta=meta)
     while True:
         history = tokens[:, :n] if penalize else None
-        last = block_early_stop(logits[:, -1], [seq])  # min_new_tokens
-        token = sample(last, params, generator, prev_ids=history)  # [1]
+        new = tokens[:, len(seq.prompt_ids):n] if penalize else None
+        last = block_early_stop(logits[:, -1], [seq])  # min_tokens
+        token = sample(last, params, generator, prev_ids=history,
+                       output_ids=new)  # [1]
         tokens[0, n] = token[0]
         n += 1
         seq.append(int(token))  # the one sync per step: we must see the id to stop
         yield seq.output_ids[-1]
-        if seq.is_finished:  # EOS, a stop id or string, or max_new_tokens
+        if seq.is_finished:  # EOS, a stop id or string, or max_tokens
             return
         if cache.owner is not me:
             raise RuntimeError("another generation started on this KVCache while this "

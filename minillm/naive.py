@@ -21,19 +21,24 @@ def naive_generate(model, prompt_ids, params: SamplingParams | None = None,
     """
     seq = Sequence.create(model, prompt_ids, params, tokenizer)  # checks everything
     params = seq.params
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: this loop makes one answer; the engine "
+                         "(Chapter 4, LLM.generate) makes n")
     device = model.embed_tokens.weight.device
     generator = make_generator(params, device)
     tokens = torch.tensor([seq.prompt_ids], device=device)
-    positions = torch.arange(seq.max_tokens, device=device)[None]
-    penalize = params.repetition_penalty != 1.0  # the only reader of the history
+    positions = torch.arange(seq.max_positions, device=device)[None]
+    penalize = params.penalized  # the penalties are the only readers of the history
     with torch.inference_mode():
         while not seq.is_finished:
             n = tokens.shape[1]  # the whole sequence goes through the model, again
             meta = StepMeta(positions[:, :n], logits_index=positions[0, n - 1:n])
             logits = model(tokens, meta.positions, meta=meta)[:, -1]
-            logits = block_early_stop(logits, [seq])  # min_new_tokens
+            logits = block_early_stop(logits, [seq])  # min_tokens
             history = tokens if penalize else None
-            next_id = sample(logits, params, generator, prev_ids=history)
+            new = tokens[:, len(seq.prompt_ids):] if penalize else None
+            next_id = sample(logits, params, generator, prev_ids=history,
+                             output_ids=new)
             tokens = torch.cat([tokens, next_id[:, None]], dim=1)
             seq.append(int(next_id))  # we must look at the id to know when to stop
     return seq.output_ids

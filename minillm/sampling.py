@@ -11,6 +11,7 @@ import torch
 
 MIN_TEMPERATURE = MIN_PENALTY = 0.01  # smaller ones overflow float32 logits (inf)
 MAX_TEMPERATURE = MAX_PENALTY = 100.0
+MAX_LOGPROBS = 20  # as the OpenAI API allows
 
 
 def _real(x) -> bool:
@@ -32,28 +33,35 @@ def _as_tuple(x, name: str) -> tuple:
     return tuple(x)
 
 # %% auto #0
-__all__ = ['MIN_TEMPERATURE', 'MIN_PENALTY', 'MAX_TEMPERATURE', 'MAX_PENALTY', 'SamplingParams', 'make_generator',
-           'apply_repetition_penalty', 'NonFiniteLogitsError', 'filter_logits', 'sample']
+__all__ = ['MIN_TEMPERATURE', 'MIN_PENALTY', 'MAX_TEMPERATURE', 'MAX_PENALTY', 'MAX_LOGPROBS', 'SamplingParams', 'make_generator',
+           'apply_repetition_penalty', 'apply_presence_frequency', 'NonFiniteLogitsError', 'filter_logits', 'sample']
 
 # %% ../chapters/02_naive_loop.ipynb #c035p
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token, and when to stop. temperature=0 means greedy.
+    """How to pick each next token, and when to stop: vLLM's names and defaults.
+    temperature=0 means greedy.
 
     Frozen: nobody can change a field after the checks ran. For a changed copy use
     dataclasses.replace(params, temperature=0.5), which runs the checks again.
     """
-    temperature: float = 1.0
-    top_k: int = 0                  # keep the k most likely tokens; 0 = off
-    top_p: float = 1.0              # keep the best tokens up to this mass; 1 = off
-    min_p: float = 0.0              # drop tokens below min_p * the best one; 0 = off
+    n: int = 1                      # answers per prompt (the engine, Chapter 4)
+    presence_penalty: float = 0.0   # minus this for a token already generated
+    frequency_penalty: float = 0.0  # minus this times how often it was generated
     repetition_penalty: float = 1.0 # > 1: tokens seen before get less likely; 1 = off
-    max_new_tokens: int = 64
-    min_new_tokens: int = 0         # no EOS or stop before this many tokens
-    stop_token_ids: tuple[int, ...] = ()  # stop after one of these ids
-    stop: tuple[str, ...] = ()      # stop once the new text contains one of these
-    ignore_eos: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0              # keep the best tokens up to this mass; 1 = off
+    top_k: int = 0                  # keep the k most likely tokens; 0 (or -1) = off
+    min_p: float = 0.0              # drop tokens below min_p * the best one; 0 = off
     seed: int | None = None         # same seed, same tokens
+    stop: tuple[str, ...] = ()      # stop once the new text contains one of these
+    stop_token_ids: tuple[int, ...] = ()  # stop after one of these ids
+    ignore_eos: bool = False
+    max_tokens: int = 16            # new tokens at most (transformers: max_new_tokens)
+    min_tokens: int = 0             # no EOS or stop before this many tokens
+    logprobs: int | None = None     # the log-probs of the k most likely tokens (engine)
+    skip_special_tokens: bool = True  # leave <|im_end|> & co. out of the text
+    include_stop_str_in_output: bool = False  # keep the stop string in the text
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -63,47 +71,62 @@ class SamplingParams:
         def put(name, value):  # a frozen dataclass sets its fields through object
             object.__setattr__(self, name, value)
 
+        for name in ("n", "max_tokens"):
+            if not _int(getattr(self, name)) or getattr(self, name) < 1:
+                bad(name, "an int >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "a number in [-2, 2] (0 = off)")
+        r = self.repetition_penalty
+        if not _real(r) or not MIN_PENALTY <= r <= MAX_PENALTY:
+            bad("repetition_penalty", f"in [{MIN_PENALTY}, {MAX_PENALTY}] (1 = off)")
         t = self.temperature
         if not _real(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
             bad("temperature",
                 f"0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
-        if not _int(self.top_k) or self.top_k < 0:
-            bad("top_k", "an int >= 0 (0 = off)")
         if not _real(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1] (1 = off)")
+        if not _int(self.top_k) or self.top_k < -1:
+            bad("top_k", "an int >= 0 (0 or -1 = off)")
         if not _real(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "a number in [0, 1] (0 = off)")
-        r = self.repetition_penalty
-        if not _real(r) or not MIN_PENALTY <= r <= MAX_PENALTY:
-            bad("repetition_penalty", f"in [{MIN_PENALTY}, {MAX_PENALTY}] (1 = off)")
-        if not _int(self.max_new_tokens) or self.max_new_tokens < 1:
-            bad("max_new_tokens", "an int >= 1")
-        m = self.min_new_tokens
-        if not _int(m) or not 0 <= m <= self.max_new_tokens:
-            bad("min_new_tokens",
-                f"an int in [0, max_new_tokens={self.max_new_tokens}]")
+        if self.seed is not None and not (_int(self.seed) and 0 <= self.seed < 2**64):
+            bad("seed", "None or an int in [0, 2**64)")
         stop = _as_tuple(self.stop, "stop")
         if not all(isinstance(s, str) and s for s in stop):
             bad("stop", "a list of non-empty strings")
         ids = _as_tuple(self.stop_token_ids, "stop_token_ids")
         if not all(_int(t) and t >= 0 for t in ids):
             bad("stop_token_ids", "a list of token ids (ints >= 0)")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "True or False")
-        if self.seed is not None and not (_int(self.seed) and 0 <= self.seed < 2**64):
-            bad("seed", "None or an int in [0, 2**64)")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        m = self.min_tokens
+        if not _int(m) or not 0 <= m <= self.max_tokens:
+            bad("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
+        k = self.logprobs
+        if k is not None and not (_int(k) and 0 <= k <= MAX_LOGPROBS):
+            bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "True or False")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"):
             put(name, float(getattr(self, name)))  # numpy numbers become plain floats
-        put("top_k", int(self.top_k))
-        put("max_new_tokens", int(self.max_new_tokens))
-        put("min_new_tokens", int(self.min_new_tokens))
+        for name in ("n", "max_tokens", "min_tokens"):
+            put(name, int(getattr(self, name)))
+        put("top_k", max(int(self.top_k), 0))  # -1 (vLLM's old "off") is 0
         put("seed", None if self.seed is None else int(self.seed))
+        put("logprobs", None if k is None else int(k))
         put("stop", stop)
         put("stop_token_ids", tuple(int(t) for t in ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Does any penalty need the tokens seen so far?"""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 def make_generator(params: SamplingParams,
@@ -122,7 +145,7 @@ def _rows(x, B: int, name: str) -> list:
     """One value per row: broadcast one value, or check that a list has B entries."""
     if isinstance(x, torch.Tensor) and x.dim() == 2:  # prev_ids as a [B, L] tensor
         x = list(x)
-    one_list = name == "prev_ids" and isinstance(x, (list, tuple)) and (
+    one_list = name.endswith("_ids") and isinstance(x, (list, tuple)) and (
         len(x) == 0 or not isinstance(x[0], (list, tuple, torch.Tensor)))
     if one_list or not isinstance(x, (list, tuple)):
         return [x] * B  # the same value for every row
@@ -147,17 +170,24 @@ def apply_repetition_penalty(logits: torch.Tensor, penalty: float,
     penalized = torch.where(seen < 0, seen * penalty, seen / penalty)
     return logits.index_copy(-1, ids, penalized)
 
+
+def apply_presence_frequency(logits: torch.Tensor, presence: float, frequency: float,
+                             output_ids) -> torch.Tensor:
+    """OpenAI's penalties, over the generated tokens only: a token generated c times
+    loses frequency * c + presence (if c > 0) from its logit."""
+    if (presence == 0.0 and frequency == 0.0) or output_ids is None \
+            or len(output_ids) == 0:
+        return logits
+    ids = torch.as_tensor(output_ids, device=logits.device).long()
+    counts = torch.bincount(ids.clamp(0, logits.shape[-1] - 1),
+                            minlength=logits.shape[-1]).to(logits.dtype)
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
 # %% ../chapters/02_naive_loop.ipynb #c038b
 def _filter(logits: torch.Tensor, params: list[SamplingParams],
-            prev_ids: list) -> torch.Tensor:
+            prev_ids: list, output_ids: list | None = None) -> torch.Tensor:
     """filter_logits without the checks: logits [B, V] float32, one params per row."""
-    if any(p.repetition_penalty != 1.0 for p in params):
-        logits = torch.stack([apply_repetition_penalty(logits[i], p.repetition_penalty,
-                                                       prev_ids[i])
-                              for i, p in enumerate(params)])
-    # temperature: sharpen (< 1) or flatten (> 1) the distribution
-    temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    logits = logits / torch.tensor(temperature, device=logits.device)[:, None]
+    logits = _penalize(logits, params, prev_ids, output_ids)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
         logits = _top_k_top_p(logits, params)
     if any(p.min_p > 0 for p in params if not p.greedy):
@@ -167,6 +197,26 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams],
         too_rare = probs < min_p * probs.amax(-1, keepdim=True)
         logits = logits.masked_fill(too_rare, float("-inf"))
     return logits
+
+
+def _penalize(logits: torch.Tensor, params: list[SamplingParams], prev_ids: list,
+              output_ids: list | None = None) -> torch.Tensor:
+    """The penalties, then the temperature: the distribution before any token is
+    dropped (what `logprobs` report). Greedy rows keep temperature 1."""
+    if any(p.repetition_penalty != 1.0 for p in params):
+        logits = torch.stack([apply_repetition_penalty(logits[i], p.repetition_penalty,
+                                                       prev_ids[i])
+                              for i, p in enumerate(params)])
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        if output_ids is None:
+            raise ValueError("presence_penalty and frequency_penalty need output_ids "
+                             "(the generated tokens of each row)")
+        logits = torch.stack([apply_presence_frequency(
+            logits[i], p.presence_penalty, p.frequency_penalty, output_ids[i])
+            for i, p in enumerate(params)])
+    # temperature: sharpen (< 1) or flatten (> 1) the distribution
+    temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    return logits / torch.tensor(temperature, device=logits.device)[:, None]
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -190,9 +240,11 @@ class NonFiniteLogitsError(ValueError):
     """The logits hold NaN or inf: no token can be chosen from them."""
 
 
-def _check_inputs(logits, params, prev_ids, check: bool = True) -> tuple:
+def _check_inputs(logits, params, prev_ids, check: bool = True,
+                  output_ids=None) -> tuple:
     """Check what needs no look at the device. Returns logits [B, V], params per row,
-    prev_ids per row, and the device-side checks of prev_ids tensors (flag, tensor)."""
+    prev_ids per row, output_ids per row (or None), and the device-side checks of the
+    id tensors (flag, tensor)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() not in (1, 2) \
             or not logits.is_floating_point() or logits.shape[-1] == 0:
         what = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)
@@ -209,8 +261,9 @@ def _check_inputs(logits, params, prev_ids, check: bool = True) -> tuple:
             prev_ids = torch.as_tensor(prev_ids)
         except (TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"prev_ids cannot be read as token ids ({e})") from None
-    id_checks = _check_ids(prev_ids, V) if check else []
-    return logits2d, rows, _rows(prev_ids, B, "prev_ids"), id_checks
+    id_checks = _check_ids(prev_ids, V) + _check_ids(output_ids, V) if check else []
+    outputs = None if output_ids is None else _rows(output_ids, B, "output_ids")
+    return logits2d, rows, _rows(prev_ids, B, "prev_ids"), outputs, id_checks
 
 
 def _check_ids(ids, V: int) -> list:
@@ -260,39 +313,42 @@ def _raise_if_bad(ok: torch.Tensor, id_checks: list, logits2d: torch.Tensor) -> 
 
 # %% ../chapters/02_naive_loop.ipynb #c038d
 def filter_logits(logits: torch.Tensor, params: SamplingParams | list[SamplingParams],
-                  prev_ids=None) -> torch.Tensor:
-    """Apply repetition penalty, temperature, top-k, top-p and min-p, in that order
-    (the order of transformers).
+                  prev_ids=None, output_ids=None) -> torch.Tensor:
+    """Apply the penalties (repetition, then presence and frequency), temperature,
+    top-k, top-p and min-p, in that order (the order of transformers and vLLM).
 
     logits: [V] or [B, V]; params: one SamplingParams or one per row; prev_ids: the
-    tokens seen so far (one list for all rows, or one per row). Returns float32 logits
-    where the dropped tokens are -inf; their softmax is what `sample` draws from.
-    Greedy rows only get the penalty.
+    tokens seen so far, prompt included (one list for all rows, or one per row), for
+    the repetition penalty; output_ids: the generated ones, for presence and frequency.
+    Returns float32 logits where the dropped tokens are -inf; their softmax is what
+    `sample` draws from. Greedy rows only get the penalties.
     """
-    logits2d, rows, prev_rows, id_checks = _check_inputs(logits, params, prev_ids)
-    filtered = _filter(logits2d.float(), rows, prev_rows)
+    logits2d, rows, prev_rows, out_rows, id_checks = _check_inputs(
+        logits, params, prev_ids, output_ids=output_ids)
+    filtered = _filter(logits2d.float(), rows, prev_rows, out_rows)
     _raise_if_bad(torch.isfinite(filtered.amax(-1)), id_checks, logits2d)
     return filtered[0] if logits.dim() == 1 else filtered
 
 # %% ../chapters/02_naive_loop.ipynb #c040
 def sample(logits: torch.Tensor, params: SamplingParams | list[SamplingParams],
            generators: torch.Generator | list[torch.Generator | None] | None = None,
-           prev_ids=None, check: bool = True) -> torch.Tensor:
+           prev_ids=None, check: bool = True, output_ids=None) -> torch.Tensor:
     """Pick one token per row of logits [B, V] (or [V]): a LongTensor [B] (or 0-d).
 
     Each row may have its own SamplingParams, its own generator (for reproducible
-    seeds) and its own previous tokens (for the repetition penalty). Greedy rows take
-    the argmax. NaN/inf logits raise NonFiniteLogitsError, prev_ids outside the
-    vocabulary ValueError; these checks wait for the device once (check=False: none).
+    seeds) and its own previous tokens (prev_ids for the repetition penalty,
+    output_ids for presence and frequency). Greedy rows take the argmax. NaN/inf
+    logits raise NonFiniteLogitsError, ids outside the vocabulary ValueError; these
+    checks wait for the device once (check=False: none).
     """
-    logits2d, rows, prev_rows, id_checks = _check_inputs(logits, params, prev_ids,
-                                                         check)
-    if all(p.greedy and p.repetition_penalty == 1.0 for p in rows):
+    logits2d, rows, prev_rows, out_rows, id_checks = _check_inputs(
+        logits, params, prev_ids, check, output_ids)
+    if all(p.greedy and not p.penalized for p in rows):
         best, ids = logits2d.max(-1)  # fast path: nothing to filter, nothing to draw
         if check:  # max() propagates NaN, so `best` is finite only if the row is
             _raise_if_bad(torch.isfinite(best), id_checks, logits2d)
         return ids[0] if logits.dim() == 1 else ids
-    filtered = _filter(logits2d.float(), rows, prev_rows)
+    filtered = _filter(logits2d.float(), rows, prev_rows, out_rows)
     best, ids = filtered.max(-1)
     if check:
         raw_best = logits2d.amax(-1)

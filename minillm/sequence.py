@@ -61,10 +61,10 @@ def check_prompt(model, prompt_ids, params: SamplingParams) -> list[int]:
         raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary "
                          f"[0, {vocab}): they can never be generated")
     context = config.context_length
-    if len(ids) + params.max_new_tokens > context:
-        total = len(ids) + params.max_new_tokens
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
-                         f"({params.max_new_tokens}) = {total} exceeds the model's "
+    if len(ids) + params.max_tokens > context:
+        total = len(ids) + params.max_tokens
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens "
+                         f"({params.max_tokens}) = {total} exceeds the model's "
                          f"context of {context} tokens")
     return [int(t) for t in ids]
 
@@ -77,7 +77,7 @@ def stop_ids(model, params: SamplingParams) -> set[int]:
     return eos | set(params.stop_token_ids)
 
 # %% auto #0
-__all__ = ['WAITING', 'RUNNING', 'FINISHED', 'check_prompt', 'stop_ids', 'WindowDecoder', 'text_decoder', 'Sequence',
+__all__ = ['WAITING', 'RUNNING', 'FINISHED', 'check_prompt', 'stop_ids', 'WindowDecoder', 'text_decoder', 'Logprob', 'Sequence',
            'block_early_stop']
 
 # %% ../chapters/02_naive_loop.ipynb #c049t
@@ -98,15 +98,23 @@ class WindowDecoder:
         return ""
 
 
-def text_decoder(tokenizer):
+def text_decoder(tokenizer, skip_special_tokens: bool = True):
     """The incremental decoder for `tokenizer`: exact for a minillm Tokenizer."""
     from minillm.tokenizer import IncrementalDecoder, Tokenizer
     if isinstance(tokenizer, Tokenizer):
-        return IncrementalDecoder(tokenizer, skip_special_tokens=True)
+        return IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
     return WindowDecoder(tokenizer)
 
 # %% ../chapters/02_naive_loop.ipynb #c049v
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability, its rank (1 = the most likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass(eq=False)
@@ -121,10 +129,15 @@ class Sequence:
     decoder: object = None                 # text deltas; None: no text
     output_ids: list[int] = field(default_factory=list)
     text: str = ""                         # the output decoded so far
+    held: str = ""                         # decoded, not yet in text (a stop string?)
     status: str = WAITING                  # waiting -> running -> finished
     num_computed_tokens: int = 0           # tokens whose K/V are in the cache
     finish_reason: str | None = None       # "stop", "length", "abort" or "error"
     error: str | None = None               # what went wrong, with finish_reason "error"
+    stop_reason: int | str | None = None   # the stop string or id that ended it
+    index: int = 0                         # which of the prompt's n answers (Chapter 4)
+    logprobs: list | None = None           # per token {id: Logprob}, when asked for
+    cumulative_logprob: float | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -143,12 +156,15 @@ class Sequence:
         stops = frozenset(stop_ids(model, params))
         vocab = getattr(model, "config", model).vocab_size
         sampleable = vocab - len({t for t in stops if 0 <= t < vocab})
-        if params.min_new_tokens and sampleable == 0:
+        if params.min_tokens and sampleable == 0:
             raise ValueError(f"the stop ids (EOS and stop_token_ids) cover all {vocab} "
-                             f"token ids, and min_new_tokens={params.min_new_tokens} "
+                             f"token ids, and min_tokens={params.min_tokens} "
                              "forbids stopping: no token could ever be sampled")
-        decoder = None if tokenizer is None else text_decoder(tokenizer)
+        decoder = (None if tokenizer is None
+                   else text_decoder(tokenizer, params.skip_special_tokens))
         seq = cls(str(request_id), ids, params, stops, decoder)
+        if params.logprobs is not None:
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
         if arrival_time is not None:
             now = time.perf_counter()
             real = (isinstance(arrival_time, numbers.Real)
@@ -160,45 +176,73 @@ class Sequence:
             seq.arrival_time = float(arrival_time)
         return seq
 
-    def append(self, token_id: int, now: float | None = None) -> str:
-        """Add one generated id; apply the stop rules. Returns the new text. If the
-        token cannot be decoded, it raises and the request is as it was."""
+    def append(self, token_id: int, now: float | None = None,
+               logprobs: dict | None = None) -> str:
+        """Add one generated id (and its log-probs, {id: Logprob}); apply the stop
+        rules. Returns the new text. If the token cannot be decoded, it raises and the
+        request is as it was."""
         if self.status == FINISHED:
             raise RuntimeError(f"request {self.request_id} has finished "
                                f"({self.finish_reason}); it takes no more tokens")
         now = time.perf_counter() if now is None else now
-        delta = self.decoder.push(token_id) if self.decoder is not None else ""
+        piece = self.decoder.push(token_id) if self.decoder is not None else ""
         self.output_ids.append(token_id)
         self.token_times.append(now)
         if self.first_token_time is None:
             self.first_token_time = now
-        self.text += delta
-        if self._may_stop() and (token_id in self.stop_ids
-                                 or self._stop_string_in(delta)):
-            delta += self.finish("stop", now)
-        elif len(self.output_ids) == self.params.max_new_tokens:
-            delta += self.finish("length", now)
-        return delta
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id].logprob
+        self.held += piece
+        keep = self.params.include_stop_str_in_output
+        if self._may_stop() and token_id in self.stop_ids:  # EOS or a stop id
+            if not keep:  # its text is not part of the answer (vLLM's way)
+                self.held = self.held[:len(self.held) - len(piece)]
+            reason = token_id if token_id in self.params.stop_token_ids else None
+            return self.finish("stop", now, reason)
+        if self._may_stop() and (hit := self._stop_string(len(piece))):
+            at, stop = hit  # the text ends before the stop string, or after it
+            self.held = self.held[:at + len(stop) if keep else at]
+            return self.finish("stop", now, stop)
+        if len(self.output_ids) == self.params.max_tokens:
+            return self.finish("length", now)
+        return self._release()
 
     def _may_stop(self) -> bool:
-        """min_new_tokens: the first min_new_tokens new tokens never stop a request."""
-        return len(self.output_ids) > self.params.min_new_tokens
+        """min_tokens: the first min_tokens new tokens never stop a request."""
+        return len(self.output_ids) > self.params.min_tokens
 
-    def _stop_string_in(self, delta: str) -> bool:
-        """Only the end of the text can hold a stop string that `delta` completed."""
-        if not delta or not self.params.stop:
-            return False
-        longest = max(len(s) for s in self.params.stop)
-        tail = self.text[-(len(delta) + longest - 1):]
-        return any(s in tail for s in self.params.stop)
+    def _stop_string(self, new: int) -> tuple[int, str] | None:
+        """The first stop string that the newest `new` characters completed, and where
+        it starts in the held-back text. Only that text can hold one (see _release)."""
+        hits = []
+        for stop in self.params.stop:
+            at = self.held.find(stop, max(0, len(self.held) - new - len(stop) + 1))
+            if at >= 0:
+                hits.append((at, stop))
+        return min(hits) if hits else None
 
-    def finish(self, reason: str, now: float | None = None) -> str:
-        """End the request ("stop", "length" or "abort"). Returns held-back text."""
+    def _release(self) -> str:
+        """Move the held-back text to `text`, but the last len(longest stop) - 1
+        characters: they may be the start of a stop string, which is never sent."""
+        hold = max((len(s) for s in self.params.stop), default=1) - 1
+        out = self.held[:max(len(self.held) - hold, 0)]
+        self.held = self.held[len(out):]
+        self.text += out
+        return out
+
+    def finish(self, reason: str, now: float | None = None,
+               stop_reason: int | str | None = None) -> str:
+        """End the request ("stop", "length" or "abort"). Returns the held-back text.
+        stop_reason: the stop string or stop id that ended it (None: EOS)."""
         if reason not in ("stop", "length", "abort"):
             raise ValueError(f"reason={reason!r}: allowed 'stop', 'length', 'abort'")
-        rest = self.decoder.flush() if self.decoder is not None else ""
+        if reason != "stop" and self.decoder is not None:
+            self.held += self.decoder.flush()  # bytes of an incomplete character
+        rest, self.held = self.held, ""
         self.text += rest
         self.status, self.finish_reason = FINISHED, reason
+        self.stop_reason = stop_reason
         self.finish_time = time.perf_counter() if now is None else now
         return rest
 
@@ -220,9 +264,9 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def max_tokens(self) -> int:
+    def max_positions(self) -> int:
         """The most positions this request can ever hold."""
-        return len(self.prompt_ids) + self.params.max_new_tokens
+        return len(self.prompt_ids) + self.params.max_tokens
 
     @property
     def ttft(self) -> float | None:
@@ -232,12 +276,12 @@ class Sequence:
         return self.first_token_time - self.arrival_time
 
 def block_early_stop(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """min_new_tokens: a row whose request has fewer new tokens than its
-    params.min_new_tokens cannot pick a stop id (EOS or stop_token_ids): those logits
+    """min_tokens: a row whose request has fewer new tokens than its
+    params.min_tokens cannot pick a stop id (EOS or stop_token_ids): those logits
     become -inf, as transformers' min_new_tokens does. logits [B, V], one Sequence per
-    row. Without min_new_tokens it returns `logits` itself (nothing copied)."""
+    row. Without min_tokens it returns `logits` itself (nothing copied)."""
     rows = [(i, sorted(s.stop_ids)) for i, s in enumerate(seqs)
-            if s.stop_ids and len(s.output_ids) < s.params.min_new_tokens]
+            if s.stop_ids and len(s.output_ids) < s.params.min_tokens]
     if not rows:
         return logits
     logits = logits.clone()

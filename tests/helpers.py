@@ -91,14 +91,14 @@ def hf_greedy(hf, prompt: list[int], n: int, **generate_kwargs) -> list[int]:
 
 def greedy(n: int, **kw) -> SamplingParams:
     """Greedy decoding of at most `n` new tokens; `kw` are more SamplingParams fields."""
-    return SamplingParams(temperature=0, max_new_tokens=n, **kw)
+    return SamplingParams(temperature=0, max_tokens=n, **kw)
 
 
 class Served(NamedTuple):
     """One request that `drive` ran: what it asked, what it streamed, how it ended."""
     prompt: list[int] | str
     params: SamplingParams | None
-    streamed: list[int]  # the new ids of its RequestOutputs, in order
+    streamed: list[int]  # the new ids of its RequestOutputs' answer, in order
     seq: Sequence  # the finished request, popped from the engine
 
 
@@ -118,12 +118,28 @@ def drive(engine, arrivals, max_steps: int = 10_000) -> dict[str, Served]:
             i += 1
         outputs = engine.step() if engine.has_unfinished() else []
         for out in outputs:
-            assert len(out.new_token_ids) == 1
-            assert out.finished == (out.finish_reason is not None)
-            streamed[out.request_id] += out.new_token_ids
+            assert len(out.outputs) == 1  # n=1: one answer per request
+            answer = out.outputs[0]
+            assert len(answer.token_ids) == 1
+            assert out.finished == (answer.finish_reason is not None)
+            streamed[out.request_id] += answer.token_ids
         step += 1
         assert step < max_steps
     return {rid: Served(*added[rid], streamed[rid], engine.pop(rid)) for rid in added}
+
+
+def answer_text(tok, ids: list[int], params: SamplingParams) -> str:
+    """The text that an answer of `ids` shows, vLLM's way: a stop string and what
+    follows it, and the text of the stop id that ended it, are left out."""
+    keep = params.include_stop_str_in_output
+    if ids and ids[-1] in params.stop_token_ids and not keep:
+        ids = ids[:-1]
+    text = tok.decode(ids, skip_special_tokens=True)
+    hits = [(text.find(s), s) for s in params.stop if s in text]
+    if hits:
+        at, stop = min(hits)
+        text = text[:at + len(stop) if keep else at]
+    return text
 
 
 def forbid(monkeypatch, owner, name: str, message: str) -> None:

@@ -44,7 +44,7 @@ def test_memory_triage_refuses_bad_input(kw, match):
 
 def test_input_lengths_tells_the_cache_apart(llama):
     _, model = llama
-    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     with input_lengths(model) as naive:
         naive_generate(model, [1, 5, 9], params)
     with input_lengths(model) as cached:
@@ -88,28 +88,29 @@ def test_eos_probability_refuses_bad_input(llama, args, match):
         eos_probability(model, *args)
 
 
-def done(reason, token_ids, text=""):
+def done(reason, token_ids, stop_reason=None):
     """A finished answer, as LLM.generate returns it (only what stop_cause reads)."""
-    return SimpleNamespace(finish_reason=reason, token_ids=list(token_ids), text=text)
+    return SimpleNamespace(finish_reason=reason, token_ids=list(token_ids),
+                           stop_reason=stop_reason)
 
 
 EOS2 = SimpleNamespace(eos_token_ids=[2])  # a config: EOS is id 2
 
 
 def test_stop_cause_names_the_rule():
-    p = SamplingParams(max_new_tokens=5, stop=["\n", "END"], stop_token_ids=[7])
-    assert stop_cause(done("length", [4] * 5), p, EOS2) == "max_new_tokens=5"
+    p = SamplingParams(max_tokens=5, stop=["\n", "END"], stop_token_ids=[7])
+    assert stop_cause(done("length", [4] * 5), p, EOS2) == "max_tokens=5"
     assert stop_cause(done("stop", [4, 2]), p, EOS2) == "EOS (id 2)"
     assert stop_cause(done("stop", [4, 7]), p, EOS2) == "stop id 7"
-    assert stop_cause(done("stop", [4, 5], "a\nb END"), p, EOS2) == "stop string 'END'"
-    assert stop_cause(done("stop", [4, 5], "a\n"), p, EOS2) == r"stop string '\n'"
+    assert stop_cause(done("stop", [4, 5], "END"), p, EOS2) == "stop string 'END'"
+    assert stop_cause(done("stop", [4, 5], "\n"), p, EOS2) == r"stop string '\n'"
     assert stop_cause(done("abort", []), p, EOS2) == "abort"
     model = SimpleNamespace(config=EOS2)  # a model works as well as its config
     assert stop_cause(done("stop", [2]), p, model) == "EOS (id 2)"
     with pytest.raises(ValueError, match="not finished"):
         stop_cause(done(None, [4]), p, EOS2)
     with pytest.raises(ValueError, match="these its params"):
-        stop_cause(done("stop", [4, 5], "no stop here"), p, EOS2)
+        stop_cause(done("stop", [4, 5]), p, EOS2)
     ignoring = SamplingParams(ignore_eos=True, stop=["x"])
     with pytest.raises(ValueError, match="not EOS"):  # EOS does not stop it then
         stop_cause(done("stop", [4, 2]), ignoring, EOS2)
@@ -120,13 +121,13 @@ def test_stop_cause_of_the_engine(llama):
     _, model = llama
     eos = model.config.eos_token_ids[0]
     llm = LLM(model, max_num_seqs=4, max_model_len=64)
-    free = SamplingParams(temperature=0, max_new_tokens=12)
-    ids = llm.generate([[1, 5, 9]], free, use_tqdm=False)[0].token_ids
-    params = [free, SamplingParams(temperature=0, max_new_tokens=12,
+    free = SamplingParams(temperature=0, max_tokens=12)
+    ids = llm.generate([[1, 5, 9]], free, use_tqdm=False)[0].outputs[0].token_ids
+    params = [free, SamplingParams(temperature=0, max_tokens=12,
                                    stop_token_ids=[ids[2]])]
-    outs = llm.generate([[1, 5, 9]] * 2, params, use_tqdm=False)
+    outs = [o.outputs[0] for o in llm.generate([[1, 5, 9]] * 2, params, use_tqdm=False)]
     causes = [stop_cause(o, p, model) for o, p in zip(outs, params)]
-    want = f"EOS (id {eos})" if ids[-1] == eos else "max_new_tokens=12"
+    want = f"EOS (id {eos})" if ids[-1] == eos else "max_tokens=12"
     assert causes[0] == want
     assert causes[1] == f"stop id {ids[2]}" and len(outs[1].token_ids) <= 3
 

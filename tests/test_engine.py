@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import drive, greedy
+from helpers import answer_text, drive, greedy
 from minillm.engine import LLM as _LLM, LLMEngine as _LLMEngine
 from minillm.kv.paged import PagedKVCache
 from minillm.kv.slots import SlotKVCache
@@ -296,14 +296,14 @@ def mixed_params(solo_greedy: list[int], tokenizer) -> list[SamplingParams]:
     stop = text[7][-1] + text[8][:1]
     return [
         greedy(16),
-        SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=16, seed=1),
-        SamplingParams(temperature=1.0, top_k=20, max_new_tokens=12, seed=2),
-        SamplingParams(temperature=1.5, max_new_tokens=16, seed=3),
-        SamplingParams(temperature=0.7, repetition_penalty=1.5, max_new_tokens=16, seed=4),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=1),
+        SamplingParams(temperature=1.0, top_k=20, max_tokens=12, seed=2),
+        SamplingParams(temperature=1.5, max_tokens=16, seed=3),
+        SamplingParams(temperature=0.7, repetition_penalty=1.5, max_tokens=16, seed=4),
         greedy(16, repetition_penalty=1.3),
         greedy(16, stop_token_ids=[stop_id]),
         greedy(16, stop=[stop]),
-        SamplingParams(temperature=0.9, min_p=0.05, max_new_tokens=10, seed=5,
+        SamplingParams(temperature=0.9, min_p=0.05, max_tokens=10, seed=5,
                        stop=["\n"]),
     ]
 
@@ -326,7 +326,7 @@ def test_sampling_per_request_params_and_seeds(shakespeare):
         for prompt, p, streamed, seq in results.values():
             want = solo(prompt, p)
             assert streamed == seq.output_ids == want, p
-            assert seq.text == tok.decode(want, skip_special_tokens=True)
+            assert seq.text == answer_text(tok, want, p)
     assert runs[0] == runs[1]  # the same seeds, the same tokens
     out = runs[0]
     ids = sorted(out, key=int)
@@ -417,12 +417,13 @@ def test_abort_frees_row_at_once(model):
     engine.step()  # a and b hold both rows, c waits
     assert engine.kv.num_free == 0 and set(engine.kv.row_of) == {a, b}
     out = engine.abort(a)
-    assert (out.request_id, out.finished, out.finish_reason) == (a, True, "abort")
+    assert (out.request_id, out.finished, out.outputs[0].finish_reason) == (a, True,
+                                                                           "abort")
     assert engine.kv.num_free == 1 and a not in engine.kv.row_of
     assert engine.requests[a].finish_reason == "abort"
-    assert engine.abort(a).finish_reason == "abort"  # again: no change, no error
+    assert engine.abort(a).outputs[0].finish_reason == "abort"  # again: no change
     d = engine.add_request([1, 9], p)
-    assert engine.abort(d).finish_reason == "abort"  # a waiting request
+    assert engine.abort(d).outputs[0].finish_reason == "abort"  # a waiting request
     assert d not in [s.request_id for s in engine.scheduler.waiting]
     engine.step()  # c takes a's row
     assert set(engine.kv.row_of) == {b, c}
@@ -449,7 +450,7 @@ def test_llm_generate_bad_prompt_queues_nothing(model):
         llm.generate([], good, use_tqdm=False)
     assert_drained(llm.engine)
     outs = llm.generate([[1, 5, 6], [1, 4]], good, use_tqdm=False)
-    assert [o.token_ids for o in outs] == [generate(model, [1, 5, 6], good),
+    assert [o.outputs[0].token_ids for o in outs] == [generate(model, [1, 5, 6], good),
                                           generate(model, [1, 4], good)]
 
 
@@ -551,7 +552,9 @@ def test_sequence_stop_string_across_tokens(shakespeare):
         if seq.is_finished:
             break
     assert seq.finish_reason == "stop" and seq.output_ids == ids[:j + 2]
-    assert "".join(deltas) == seq.text == tok.decode(ids[:j + 2])
+    assert seq.stop_reason == stop  # the text ends before the stop string:
+    full = tok.decode(ids[:j + 2])
+    assert "".join(deltas) == seq.text == full[:full.index(stop)]
 
 
 def test_sequence_text_deltas_and_times(shakespeare):
@@ -587,13 +590,16 @@ def test_llm_generate_order_params_metrics(shakespeare):
     per_prompt = [greedy(n, ignore_eos=True) for n in lengths]
     outs = llm.generate(prompts, per_prompt, use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == [tok.encode(p) for p in prompts]
-    for o, prompt, p in zip(outs, prompts, per_prompt):
+    for request, prompt, p in zip(outs, prompts, per_prompt):
         want = solo(tok.encode(prompt), p)
-        assert o.token_ids == want and len(want) == p.max_new_tokens
+        assert request.prompt == prompt and request.finished
+        o = request.outputs[0]  # n=1: one answer
+        assert o.index == 0 and len(request.outputs) == 1
+        assert o.token_ids == want and len(want) == p.max_tokens
         assert o.text == tok.decode(want, skip_special_tokens=True)
-        assert o.finish_reason == "length"
-        m = o.metrics
-        assert m["output_tokens"] == len(want) and m["prompt_tokens"] == len(o.prompt_token_ids)
+        assert o.finish_reason == "length" and o.stop_reason is None
+        m = request.metrics
+        assert m["output_tokens"] == len(want) and m["prompt_tokens"] == len(request.prompt_token_ids)
         assert 0 < m["ttft"] <= m["e2e"]
         assert m["first_token"] - m["arrival"] == pytest.approx(m["ttft"])
         assert m["finish"] - m["arrival"] == pytest.approx(m["e2e"])
@@ -603,11 +609,13 @@ def test_llm_generate_order_params_metrics(shakespeare):
         else:
             assert m["tpot"] is None
     one = llm.generate(prompts[:2], greedy(4), use_tqdm=False)  # one params for all
+    one = [o.outputs[0] for o in one]
     assert [o.token_ids for o in one] == [solo(tok.encode(p), greedy(4)) for p in prompts[:2]]
     single = llm.generate("ROMEO:", greedy(4), use_tqdm=False)  # one prompt, text
-    assert single[0].token_ids == one[0].token_ids
+    assert single[0].outputs[0].token_ids == one[0].token_ids
     single_ids = llm.generate(tok.encode("ROMEO:"), greedy(4), use_tqdm=False)  # ids
-    assert single_ids[0].token_ids == one[0].token_ids
+    assert single_ids[0].outputs[0].token_ids == one[0].token_ids
+    assert single_ids[0].prompt is None  # token ids, no text
     with pytest.raises(ValueError, match="3 params for 2 prompts"):
         llm.generate(prompts[:2], per_prompt[:3], use_tqdm=False)
     assert_drained(llm.engine)
@@ -617,7 +625,7 @@ def test_llm_stream(shakespeare):
     model, tok = shakespeare
     llm = LLM(model, tok, max_num_seqs=2)
     params = greedy(20)
-    text = llm.generate(["ROMEO:\n"], params, use_tqdm=False)[0].text
+    text = llm.generate(["ROMEO:\n"], params, use_tqdm=False)[0].outputs[0].text
     pieces = list(llm.stream("ROMEO:\n", params))
     assert len(pieces) > 1 and all(pieces)
     assert "".join(pieces) == text

@@ -371,17 +371,18 @@ def test_llm_chat_answers_like_transformers(smollm2):
     from minillm.sampling import SamplingParams
     path, hf, hf_tok = smollm2
     llm = LLM(mg.SMOLLM2, max_num_seqs=4)
-    greedy = SamplingParams(temperature=0, max_new_tokens=24)
-    outs = llm.chat(CONVERSATIONS, greedy, use_tqdm=False)
-    assert len(outs) == len(CONVERSATIONS)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    requests = llm.chat(CONVERSATIONS, greedy, use_tqdm=False)
+    assert len(requests) == len(CONVERSATIONS)
+    outs = [r.outputs[0] for r in requests]
     assert "Paris" in outs[0].text
     one = llm.chat(CONVERSATIONS[0], greedy, use_tqdm=False)
-    assert len(one) == 1 and one[0].token_ids == outs[0].token_ids
-    for conversation, out in zip(CONVERSATIONS, outs):
+    assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].token_ids
+    for conversation, request, out in zip(CONVERSATIONS, requests, outs):
         prompt = hf_tok.apply_chat_template(conversation, add_generation_prompt=True,
                                             tokenize=False)
         ids = hf_tok.encode(prompt, add_special_tokens=False)
-        assert out.prompt_token_ids == ids
+        assert request.prompt_token_ids == ids
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24,
                               eos_token_id=hf_tok.eos_token_id,
@@ -415,9 +416,10 @@ def test_the_readmes_example_prints_what_it_says():
     import subprocess
     import sys
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    code = re.search(r"```python\n(from minillm.engine import LLM\n.*?)```", readme,
+    code = re.search(r"```python\n(from minillm import LLM, SamplingParams.*?)```", readme,
                      re.S).group(1)
-    promised = re.search(r"print\(out\[0\]\.text\)  # (.*)", code).group(1)
+    promised = re.search(r"print\(out\[0\]\.outputs\[0\]\.text\)  # (.*)",
+                         code).group(1)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "TQDM_DISABLE": "1"})
     assert out.returncode == 0, out.stderr

@@ -28,7 +28,7 @@ def requests(seed: int, n: int = 10):
     out = []
     for _ in range(n):
         prompt = [1] + [rng.randrange(3, 100) for _ in range(rng.randrange(0, 20))]
-        params = SamplingParams(temperature=0, max_new_tokens=rng.randrange(1, 16),
+        params = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 16),
                                 ignore_eos=rng.random() < 0.5)
         out.append((rng.randrange(0, 6), prompt, params))
     return out
@@ -103,7 +103,7 @@ def test_graph_runner_keeps_the_engine_usable_after_an_error(llama):
     _, model = llama
     engine = LLMEngine(model, max_num_seqs=4, kv_cache="paged")
     runner = enable_cuda_graphs(engine, capture=False)
-    rid = engine.add_request([1, 5, 7], SamplingParams(temperature=0, max_new_tokens=6))
+    rid = engine.add_request([1, 5, 7], SamplingParams(temperature=0, max_tokens=6))
     engine.step()                                   # prefill, eager
     free = engine.kv.blocks.num_free
     real = runner.model.forward
@@ -120,7 +120,7 @@ def test_graph_runner_keeps_the_engine_usable_after_an_error(llama):
     while engine.has_unfinished():
         engine.step()
     expected = LLMEngine(model, max_num_seqs=4, kv_cache="paged")
-    rid2 = expected.add_request([1, 5, 7], SamplingParams(temperature=0, max_new_tokens=6))
+    rid2 = expected.add_request([1, 5, 7], SamplingParams(temperature=0, max_tokens=6))
     while expected.has_unfinished():
         expected.step()
     assert engine.pop(rid).output_ids == expected.pop(rid2).output_ids
@@ -135,13 +135,13 @@ def test_engine_and_llm_take_cuda_graphs(llama):
     assert not isinstance(LLMEngine(model, max_num_seqs=3).runner, GraphRunner)
     llm = LLM(model, max_num_seqs=3, kv_cache="slots", cuda_graphs=True)
     assert isinstance(llm.engine.runner, GraphRunner)
-    params = SamplingParams(temperature=0, max_new_tokens=7, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     prompts = [[1, 4, 9], [1, 16, 25, 36, 49], [1, 2]]
     eager = LLM(model, max_num_seqs=3, kv_cache="slots").generate(prompts, params,
                                                                    use_tqdm=False)
     graphs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in graphs] == \
-        [o.token_ids for o in eager]
+    assert [o.outputs[0].token_ids for o in graphs] == \
+        [o.outputs[0].token_ids for o in eager]
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="cuda_graphs"):
             LLMEngine(model, cuda_graphs=bad)

@@ -42,7 +42,7 @@ def solo(bundled):
         key = (prompt, params)
         if key not in done:
             llm = LLM(model, tok, max_num_seqs=1)
-            done[key] = llm.generate(prompt, params, use_tqdm=False)[0].text
+            done[key] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
         return done[key]
     return run
 
@@ -80,7 +80,7 @@ def test_generate_while_a_stream_is_paused_loses_none_of_the_stream(bundled, sol
     stream = llm.stream(PROMPTS[0], greedy(40))
     first = next(stream)
     out = llm.generate(PROMPTS[2:], greedy(30), use_tqdm=False)
-    assert [o.text for o in out] == [solo(p, greedy(30)) for p in PROMPTS[2:]]
+    assert [o.outputs[0].text for o in out] == [solo(p, greedy(30)) for p in PROMPTS[2:]]
     assert first + "".join(stream) == solo(PROMPTS[0], greedy(40))
     free_everything(llm.engine)
 
@@ -89,7 +89,7 @@ def test_a_bad_stream_raises_when_it_is_made(bundled):
     llm = LLM(*bundled)
     with pytest.raises(ValueError, match="empty"):
         llm.stream("", greedy(4))  # not at the first next()
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ValueError, match="max_tokens"):
         llm.stream(PROMPTS[0], greedy(10**6))
     free_everything(llm.engine)
 
@@ -112,11 +112,11 @@ def test_a_request_that_can_never_be_sampled_is_refused_when_added(bundled):
     model, tok = bundled
     engine = LLMEngine(model, tok)
     everything = list(range(model.config.vocab_size))
-    with pytest.raises(ValueError, match=r"cover all \d+ token ids.*min_new_tokens=1"):
+    with pytest.raises(ValueError, match=r"cover all \d+ token ids.*min_tokens=1"):
         engine.add_request(PROMPTS[0], greedy(5, stop_token_ids=everything,
-                                                min_new_tokens=1))
+                                                min_tokens=1))
     free_everything(engine)
-    # without min_new_tokens it can be sampled: the first token stops it
+    # without min_tokens it can be sampled: the first token stops it
     rid = engine.add_request(PROMPTS[0], greedy(5, stop_token_ids=everything))
     while engine.has_unfinished():
         engine.step()
@@ -143,10 +143,12 @@ def test_a_tokenizer_error_ends_only_its_request(bundled, solo):
     victim, other = PROMPTS[2], PROMPTS[1]
     good = solo(other, greedy(30))
     alone = LLM(model, tok).generate([victim, other], greedy(30), use_tqdm=False)
-    bad_id = next(t for t in alone[0].token_ids[2:]  # only the victim trips over it
-                  if t not in alone[1].token_ids + alone[1].prompt_token_ids)
+    bad_id = next(t for t in alone[0].outputs[0].token_ids[2:]  # only the victim
+                  if t not in alone[1].outputs[0].token_ids  # trips over it
+                  + alone[1].prompt_token_ids)
     llm = LLM(model, FlakyTokenizer(tok, bad_id))
-    out = llm.generate([victim, other], greedy(30), use_tqdm=False)
+    out = [o.outputs[0]
+           for o in llm.generate([victim, other], greedy(30), use_tqdm=False)]
     assert out[0].finish_reason == "error" and "UnicodeDecodeError" in out[0].error
     assert 0 < len(out[0].token_ids) < 30  # it stopped where decoding failed
     assert bad_id not in out[0].token_ids  # the token it could not decode: not kept
@@ -217,7 +219,7 @@ def test_quantizing_the_model_in_place_never_reuses_old_kv(bundled):
     quantize(model, "w8a16")  # the model the engine holds changes under it
     after = llm.generate(system + "ROMEO:", greedy(20), use_tqdm=False)[0]
     fresh = LLM(model, tok).generate(system + "ROMEO:", greedy(20), use_tqdm=False)[0]
-    assert after.token_ids == fresh.token_ids
+    assert after.outputs[0].token_ids == fresh.outputs[0].token_ids
     assert llm.engine.kv.blocks.hits == hits  # nothing stale was found
     again = llm.generate(system + "HAMLET:", greedy(5), use_tqdm=False)
     assert llm.engine.kv.blocks.hits > hits and again  # the new K/V are shared again
@@ -281,14 +283,14 @@ def test_interleaved_streams_generates_aborts_and_poison(bundled, solo, actions)
         if action == "stream":
             streams.append([llm.stream(prompt, params), prompt, params, ""])
         elif action == "generate":
-            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
             assert out.text == solo(prompt, params)
         elif action == "abort" and streams:
             s = streams.pop(which % len(streams))
             s[0].close()
         elif action == "poison":
             with pytest.raises(ValueError, match="no token could ever be sampled"):
-                llm.stream(prompt, greedy(n, stop_token_ids=everything, min_new_tokens=1))
+                llm.stream(prompt, greedy(n, stop_token_ids=everything, min_tokens=1))
         elif action == "read" and streams:
             s = streams[which % len(streams)]
             s[3] += next(s[0], "")
@@ -347,7 +349,7 @@ def test_llm_loads_a_folder_in_int8(bundled):
     llm = LLM(str(SHAKESPEARE), quantization="int8")
     from minillm.quant import is_quantized
     assert is_quantized(llm.engine.model)
-    assert llm.generate("ROMEO:\n", greedy(5), use_tqdm=False)[0].token_ids
+    assert llm.generate("ROMEO:\n", greedy(5), use_tqdm=False)[0].outputs[0].token_ids
 
 
 # --- 6. records ---

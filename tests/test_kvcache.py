@@ -39,7 +39,7 @@ def make_model(family: str, folder, **overrides):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_equals_naive_and_transformers(family, tmp_path):
     hf, model = make_model(family, tmp_path)
-    params = SamplingParams(temperature=0, max_new_tokens=40)
+    params = SamplingParams(temperature=0, max_tokens=40)
     ours = generate(model, PROMPT, params)
     assert len(set(ours)) > 5  # a real sequence, not one token repeated
     assert ours == naive_generate(model, PROMPT, params)
@@ -50,7 +50,7 @@ def test_seeded_sampling_equals_naive(llama):
     _, model = llama
     for seed in (0, 1):
         params = SamplingParams(temperature=0.9, top_k=30, top_p=0.9, min_p=0.01, repetition_penalty=1.3,
-                                max_new_tokens=30, seed=seed, ignore_eos=True)
+                                max_tokens=30, seed=seed, ignore_eos=True)
         ours = generate(model, PROMPT, params)
         assert ours == naive_generate(model, PROMPT, params)
         assert ours == generate(model, PROMPT, params)  # the same seed again, the same tokens
@@ -106,7 +106,7 @@ def test_cache_follows_the_model_dtype(tmp_path):
     model = load_model(tmp_path, dtype=torch.bfloat16, device="cpu")
     cache = KVCache.from_model(model, 20)
     assert cache.k[0].dtype == torch.bfloat16 and cache.nbytes == kv_cache_bytes(TINY, 21, 1, "bfloat16")
-    out = generate(model, PROMPT, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True), cache=cache)
+    out = generate(model, PROMPT, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), cache=cache)
     assert len(out) == 5 and cache.length == len(PROMPT) + 4
 
 
@@ -139,7 +139,7 @@ def test_the_cache_is_used_and_reusable(llama):
     with watch_input_lengths(hf) as lengths:  # transformers calls its model with keywords
         hf_greedy(hf, PROMPT, 4)
     assert lengths == [len(PROMPT), 1, 1, 1]
-    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     cache = KVCache.from_model(model, 64)
     with watch_input_lengths(model) as lengths:
         first = generate(model, PROMPT, params, cache=cache)
@@ -150,12 +150,12 @@ def test_the_cache_is_used_and_reusable(llama):
 
 def test_stop_rules_like_the_naive_loop(llama):
     _, model = llama
-    free = generate(model, PROMPT, SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))
+    free = generate(model, PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     stop = free[7]
-    params = SamplingParams(temperature=0, max_new_tokens=30, stop_token_ids=[stop])
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop])
     ours = generate(model, PROMPT, params)
     assert ours == naive_generate(model, PROMPT, params) == free[:free.index(stop) + 1]
-    eos = SamplingParams(temperature=0, max_new_tokens=30)  # EOS (id 2) stops unless ignore_eos
+    eos = SamplingParams(temperature=0, max_tokens=30)  # EOS (id 2) stops unless ignore_eos
     assert generate(model, PROMPT, eos) == naive_generate(model, PROMPT, eos)
     with pytest.raises(ValueError, match="tokenizer"):
         generate(model, PROMPT, SamplingParams(stop=["x"]))
@@ -166,15 +166,15 @@ def test_bad_input_raises_before_any_forward(llama):
     small = KVCache.from_model(model, 12)
     with watch_input_lengths(model) as lengths:
         with pytest.raises(ValueError, match="needs 19 positions"):
-            generate(model, PROMPT, SamplingParams(max_new_tokens=10), cache=small)
+            generate(model, PROMPT, SamplingParams(max_tokens=10), cache=small)
         with pytest.raises(ValueError, match="context"):
-            generate(model, PROMPT, SamplingParams(max_new_tokens=120))
+            generate(model, PROMPT, SamplingParams(max_tokens=120))
         with pytest.raises(ValueError, match="empty"):
             generate(model, [], SamplingParams())
         with pytest.raises(ValueError, match="not token ids"):
             generate(model, [1, 500], SamplingParams())
         with pytest.raises(ValueError, match="batch"):
-            generate(model, PROMPT, SamplingParams(max_new_tokens=3), cache=KVCache.from_model(model, 64, batch_size=2))
+            generate(model, PROMPT, SamplingParams(max_tokens=3), cache=KVCache.from_model(model, 64, batch_size=2))
         with pytest.raises(ValueError, match="context"):
             KVCache.from_model(model, 129)
         for bad in (0, -1, 2.5, True):
@@ -202,13 +202,13 @@ def test_stream_joins_to_the_decoded_answer(tmp_path):
     tokenizer = Tokenizer.train([text], 300, progress=False)
     _, model = make_model("llama_gqa_untied", tmp_path, vocab_size=tokenizer.vocab_size,
                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3)
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=3)
     pieces = list(stream(model, tokenizer, "To be", params))
     new = generate(model, tokenizer.encode("To be"), params)
     assert "".join(pieces) == tokenizer.decode(new, skip_special_tokens=True)
     assert all(pieces)
     char = next(c for c in "".join(pieces) if not c.isspace())
-    stopped = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, stop=[char])
+    stopped = SamplingParams(temperature=1.0, max_tokens=40, seed=3, stop=[char])
     short = list(generate_tokens(model, tokenizer.encode("To be"), stopped, tokenizer))
     assert short == naive_generate(model, tokenizer.encode("To be"), stopped, tokenizer)
     assert short == new[:len(short)] and char in tokenizer.decode(short)
@@ -232,7 +232,7 @@ def test_bad_prompts_raise_before_any_forward(llama, bad, match):
     _, model = llama
     with no_forward(model) as lengths:
         with pytest.raises(ValueError, match=match):
-            generate(model, bad, SamplingParams(max_new_tokens=3))
+            generate(model, bad, SamplingParams(max_tokens=3))
     assert lengths == []
 
 
@@ -242,12 +242,12 @@ def test_non_finite_logits_raise(tmp_path):
     _, model = make_model("llama_gqa_untied", tmp_path)
     with torch.no_grad():
         model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
-    for params in (SamplingParams(temperature=0, max_new_tokens=5),
-                   SamplingParams(temperature=0.8, max_new_tokens=5, seed=0)):
+    for params in (SamplingParams(temperature=0, max_tokens=5),
+                   SamplingParams(temperature=0.8, max_tokens=5, seed=0)):
         with pytest.raises(NonFiniteLogitsError, match="NaN or inf"):
             generate(model, PROMPT, params)
     with pytest.raises(ValueError):  # NonFiniteLogitsError is a ValueError
-        generate(model, PROMPT, SamplingParams(temperature=0, max_new_tokens=5))
+        generate(model, PROMPT, SamplingParams(temperature=0, max_tokens=5))
 
 
 def test_params_and_tokenizer_are_checked(llama):
@@ -273,7 +273,7 @@ def test_a_cache_that_does_not_fit_the_model_is_refused(llama, make, match):
     _, model = llama
     with no_forward(model) as lengths:
         with pytest.raises(ValueError, match=match):
-            generate(model, PROMPT, SamplingParams(max_new_tokens=3), cache=make(model))
+            generate(model, PROMPT, SamplingParams(max_tokens=3), cache=make(model))
     assert lengths == []
 
 
@@ -340,7 +340,7 @@ def test_a_second_forward_with_one_meta_is_an_error(llama):
 
 def test_an_error_midway_leaves_the_cache_empty_and_reusable(llama):
     _, model = llama
-    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = generate(model, PROMPT, params)
     cache = KVCache.from_model(model, 64)
     calls = []
@@ -362,7 +362,7 @@ def test_an_error_midway_leaves_the_cache_empty_and_reusable(llama):
 def test_stopping_early_resets_the_cache(llama):
     _, model = llama
     cache = KVCache.from_model(model, 64)
-    tokens = generate_tokens(model, PROMPT, SamplingParams(max_new_tokens=8), cache=cache)
+    tokens = generate_tokens(model, PROMPT, SamplingParams(max_tokens=8), cache=cache)
     next(tokens), next(tokens)
     assert cache.length == len(PROMPT) + 1
     tokens.close()  # the caller stops: no half request stays in the cache
@@ -371,7 +371,7 @@ def test_stopping_early_resets_the_cache(llama):
 
 def test_two_generations_on_one_cache_do_not_mix(llama):
     _, model = llama
-    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     other = [3, 4, 5, 6]
     cache = KVCache.from_model(model, 64)
     first = generate_tokens(model, PROMPT, params, cache=cache)

@@ -128,7 +128,7 @@ def test_blocks_are_published_when_the_runner_commits_not_during_the_forward(mod
         real_commit(seqs)
         assert not blocks.pending
     engine.kv.commit = commit
-    params = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     engine.add_request(list(range(1, 14)), params)  # 3 full blocks of 4
     engine.step()  # the prefill
     assert commits and sum(len(v) for v in commits[0].values()) == 3

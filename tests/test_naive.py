@@ -27,29 +27,29 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("prompt", [[1], [1, 50, 3, 77, 8], list(range(5, 30))])
 def test_greedy_equals_transformers_generate(tiny, prompt):
     hf, model = tiny
-    ours = naive_generate(model, prompt, SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
+    ours = naive_generate(model, prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert len(ours) == 20
     assert ours == hf_greedy(hf, prompt, 20, eos_token_id=None)
 
 
 def test_greedy_with_repetition_penalty_equals_transformers(tiny):
     hf, model = tiny
-    ours = naive_generate(model, [1, 4, 4, 9], SamplingParams(temperature=0, max_new_tokens=15, ignore_eos=True,
+    ours = naive_generate(model, [1, 4, 4, 9], SamplingParams(temperature=0, max_tokens=15, ignore_eos=True,
                                                               repetition_penalty=1.5))
     assert ours == hf_greedy(hf, [1, 4, 4, 9], 15, eos_token_id=None, repetition_penalty=1.5)
 
 
 def test_stops_on_eos_and_stop_ids(tiny):
     hf, model = tiny
-    free = naive_generate(model, [1, 5], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    free = naive_generate(model, [1, 5], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     stop_at = free[4]
     first = free.index(stop_at)
-    out = naive_generate(model, [1, 5], SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[stop_at]))
+    out = naive_generate(model, [1, 5], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]))
     assert out == free[:first + 1]
     model.config.eos_token_ids = [stop_at]  # the model's own EOS, unless ignore_eos
     try:
-        assert naive_generate(model, [1, 5], SamplingParams(temperature=0, max_new_tokens=12)) == free[:first + 1]
-        assert naive_generate(model, [1, 5], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)) == free
+        assert naive_generate(model, [1, 5], SamplingParams(temperature=0, max_tokens=12)) == free[:first + 1]
+        assert naive_generate(model, [1, 5], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) == free
     finally:
         model.config.eos_token_ids = [2]
 
@@ -61,10 +61,10 @@ class LetterTokenizer:
 
 def test_stop_strings_need_and_use_a_tokenizer(tiny):
     _, model = tiny
-    free = naive_generate(model, [1, 5], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    free = naive_generate(model, [1, 5], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     text = LetterTokenizer().decode(free)
     target = text[5:7]
-    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, stop=[target])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[target])
     out = naive_generate(model, [1, 5], params, tokenizer=LetterTokenizer())
     assert target in LetterTokenizer().decode(out) and target not in LetterTokenizer().decode(out[:-1])
     with pytest.raises(ValueError, match="tokenizer"):
@@ -75,17 +75,17 @@ def test_stop_strings_need_and_use_a_tokenizer(tiny):
 
 def test_seeded_sampling_reproduces(tiny):
     _, model = tiny
-    p = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=15, seed=123, ignore_eos=True)
+    p = SamplingParams(temperature=1.0, top_k=20, max_tokens=15, seed=123, ignore_eos=True)
     a, b = naive_generate(model, [1, 7], p), naive_generate(model, [1, 7], p)
     assert a == b
-    c = naive_generate(model, [1, 7], SamplingParams(temperature=1.0, top_k=20, max_new_tokens=15, seed=124,
+    c = naive_generate(model, [1, 7], SamplingParams(temperature=1.0, top_k=20, max_tokens=15, seed=124,
                                                      ignore_eos=True))
     assert c != a
 
 
 @pytest.mark.parametrize("prompt, kw, shown", [
     ([], {}, "empty"),
-    ([1] * 60, dict(max_new_tokens=5), "65 exceeds the model's context of 64"),
+    ([1] * 60, dict(max_tokens=5), "65 exceeds the model's context of 64"),
     ([1, 500], {}, "[500]"),
     ([1, -3], {}, "[-3]"),
     ([1, 97], {}, "[97]"),                                   # vocab is 97: ids are 0..96
@@ -122,8 +122,8 @@ def test_params_must_be_sampling_params(tiny):
         naive_generate(model, [1, 2], {"temperature": 0})
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_new_tokens=5),
-                                    SamplingParams(temperature=0.8, top_k=10, max_new_tokens=5, seed=1)],
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=5),
+                                    SamplingParams(temperature=0.8, top_k=10, max_tokens=5, seed=1)],
                          ids=["greedy", "sampling"])
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_broken_weights_raise_instead_of_token_zero(tiny, params, poison):
@@ -138,7 +138,7 @@ def test_broken_weights_raise_instead_of_token_zero(tiny, params, poison):
 def test_numpy_and_tensor_prompts(tiny):
     import numpy as np
     _, model = tiny
-    p = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    p = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     ref = naive_generate(model, [1, 5, 6], p)
     assert naive_generate(model, np.array([1, 5, 6]), p) == ref
     assert naive_generate(model, torch.tensor([1, 5, 6]), p) == ref
@@ -192,6 +192,6 @@ def test_bundled_model_greedy_equals_transformers():
     model = load_model(folder, device="cpu")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompt = [model.config.bos_token_id or 0] + list(range(10, 20))
-    ours = naive_generate(model, prompt, SamplingParams(temperature=0, max_new_tokens=24))
+    ours = naive_generate(model, prompt, SamplingParams(temperature=0, max_tokens=24))
     eos = model.config.eos_token_ids or None
     assert ours == hf_greedy(hf, prompt, 24, eos_token_id=eos)

@@ -303,12 +303,13 @@ def test_quantized_model_same_tokens_in_generate_and_engine(mode):
     model = quantize(load_model(SHAKESPEARE, dtype=torch.float32, device="cpu"), mode)
     tok = Tokenizer.from_pretrained(SHAKESPEARE)
     prompts = [tok.encode(t) for t in ("ROMEO:\n", "JULIET:\nO ", "KING HENRY:\nNow")]
-    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone = [generate(model, p, params) for p in prompts]
     assert all(len(a) == 24 for a in alone)
     assert alone == [generate(model, p, params) for p in prompts]  # deterministic
     llm = LLM(model, tok, max_num_seqs=2)  # 3 requests, 2 rows: one joins later
-    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
+    assert [o.outputs[0].token_ids
+            for o in llm.generate(prompts, params, use_tqdm=False)] == alone
     assert file_hash(SHAKESPEARE) == before
 
 
@@ -354,10 +355,11 @@ def test_bnb_int8_swaps_layers_and_agrees_with_float32(shakespeare):
         agree = (model(ids, positions).argmax(-1) == shakespeare(ids, positions).argmax(-1))
     assert agree.float().mean() >= 0.99
     prompts = [tok.encode(t) for t in ("ROMEO:\n", "JULIET:\nO ")]
-    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = [generate(model, p, params) for p in prompts]
     llm = LLM(model, tok, max_num_seqs=2)
-    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == alone
+    assert [o.outputs[0].token_ids
+            for o in llm.generate(prompts, params, use_tqdm=False)] == alone
 
 
 # --- fbgemm (PyTorch's CPU int8 kernel) -------------------------------------------------------
@@ -390,12 +392,12 @@ def test_fbgemm_mode_swaps_layers_and_keeps_tokens(shakespeare):
     assert "FbgemmLinear" in kinds and is_quantized(model)
     assert type(model.lm_head) is nn.Linear  # skipped by default
     ids = list(range(5, 40))
-    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     solo = generate(model, ids, params)
     assert len(solo) == 12
     out = LLM(model, None, max_num_seqs=3).generate([ids, ids[:10], ids], params,
                                                    use_tqdm=False)
-    assert out[0].token_ids == solo and out[2].token_ids == solo
+    assert out[0].outputs[0].token_ids == solo and out[2].outputs[0].token_ids == solo
 
 
 def test_fbgemm_mode_refuses_a_model_off_the_cpu():

@@ -149,7 +149,7 @@ BAD_PARAMS = [
     ("temperature", 1e-300), ("temperature", 0.001), ("temperature", 1e6), ("temperature", "0.5"),
     ("top_k", -2), ("top_k", 2.5), ("top_k", True), ("top_p", 0), ("top_p", 1.5), ("top_p", None),
     ("min_p", -0.1), ("min_p", 2), ("repetition_penalty", 0), ("repetition_penalty", 1e-300),
-    ("repetition_penalty", 1e9), ("max_new_tokens", 0), ("max_new_tokens", 2.0),
+    ("repetition_penalty", 1e9), ("max_tokens", 0), ("max_tokens", 2.0),
     ("stop", [""]), ("stop", [None]), ("stop", b"ab"), ("stop", 5),
     ("stop_token_ids", [-1]), ("stop_token_ids", "ab"), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]),
     ("seed", "x"), ("seed", 2**64), ("seed", -1), ("seed", 1.0), ("ignore_eos", 1), ("ignore_eos", None),

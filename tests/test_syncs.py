@@ -39,7 +39,7 @@ def test_one_device_read_per_step(model, kv_cache, monkeypatch):
                        kv_cache=kv_cache)
     for i, temperature in enumerate([0, 0.8, 0.8]):  # greedy, seeded and unseeded
         engine.add_request([5, 6, 7 + i] * (3 + 4 * i),
-                           SamplingParams(temperature=temperature, max_new_tokens=8,
+                           SamplingParams(temperature=temperature, max_tokens=8,
                                           seed=i if i == 1 else None))
     steps = []
     while engine.has_unfinished():  # packed prompt chunks, mixed steps, decode steps
@@ -55,7 +55,7 @@ def test_a_nan_row_ends_alone_and_its_neighbours_keep_their_seeded_tokens(model)
     def run(poison):
         engine = LLMEngine(model, max_num_seqs=4, kv_cache="slots")
         ids = [engine.add_request([5, 6, 7 + i], SamplingParams(
-            temperature=0.9, max_new_tokens=6, seed=10 + i)) for i in range(3)]
+            temperature=0.9, max_tokens=6, seed=10 + i)) for i in range(3)]
         if poison:
             real = engine.runner.sample
 

@@ -116,7 +116,7 @@ def article_task(model: str | Path = SEVEN_B, device=None, prompt_tokens: int = 
     engine = LLMEngine(net, tok, max_num_seqs=1, max_model_len=max_model_len,
                        kv_cache="paged")
     prompt = chat_prompt(tok, prompt_tokens)
-    first = SamplingParams(temperature=0, max_new_tokens=1)
+    first = SamplingParams(temperature=0, max_tokens=1)
     times = []
     for _ in range(repeats + 1):  # the first run warms up
         rid = engine.add_request(prompt, first)
@@ -126,7 +126,7 @@ def article_task(model: str | Path = SEVEN_B, device=None, prompt_tokens: int = 
     answer = ""
     if tok is not None:
         rid = engine.add_request(prompt, SamplingParams(temperature=0,
-                                                        max_new_tokens=16))
+                                                        max_tokens=16))
         while engine.has_unfinished():
             engine.step()
         answer = engine.pop(rid).text

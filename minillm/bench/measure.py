@@ -81,7 +81,7 @@ class Method:
 
 def greedy(n: int) -> SamplingParams:
     """Greedy decoding of exactly n tokens (EOS does not stop it): every benchmark's."""
-    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def minillm_methods(model) -> list[Method]:

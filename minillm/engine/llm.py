@@ -3,10 +3,11 @@
 # %% ../../chapters/04_continuous_batching.ipynb #c41-llm
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -14,18 +15,35 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from ..kv.slots import SlotKVCache
 from ..sampling import SamplingParams
-from ..sequence import Sequence
+from ..sequence import RUNNING, Sequence
+
+
+@dataclass
+class CompletionOutput:
+    """One answer to a request, with vLLM's fields. From LLMEngine.step(): what this
+    step added to it (a delta); from LLM.generate: the whole answer."""
+    index: int                     # which of the request's n answers
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None  # with SamplingParams(logprobs=k)
+    logprobs: list[dict] | None = None       # per token: {id: Logprob}
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" once done
+    stop_reason: int | str | None = None     # the stop string or id (None: EOS)
+    error: str | None = None       # with finish_reason "error": what went wrong
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request."""
+    """A request and its answers, with vLLM's fields: outputs[i] is answer i."""
     request_id: str
-    new_token_ids: list[int]
-    text: str                      # the new text (a delta; '' without a tokenizer)
-    finished: bool
-    finish_reason: str | None      # "stop", "length", "abort", "error" once finished
-    error: str | None = None       # with finish_reason "error": what went wrong
+    prompt: str | None             # the text, when the prompt was given as text
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool                 # every answer has finished
+    metrics: dict | None = None    # seconds (LLM.generate): ttft, e2e, tpot, ...
 
 
 @dataclass
@@ -44,8 +62,8 @@ class StepRecord:
     kv_capacity: int               # positions of the whole KV memory
 
 # %% auto #0
-__all__ = ['RequestOutput', 'StepRecord', 'weights_version', 'LLMEngine', 'CompletionOutput', 'request_metrics', 'LLM',
-           'RequestError', 'TextStream']
+__all__ = ['CompletionOutput', 'RequestOutput', 'StepRecord', 'weights_version', 'LLMEngine', 'request_metrics', 'final_output',
+           'LLM', 'RequestError', 'TextStream']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43-engine
 def weights_version(model: torch.nn.Module) -> tuple:
@@ -118,7 +136,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
                                    policy, enable_chunked_prefill)
         self.runner = ModelRunner(model, self.kv)
-        self.requests: dict[str, Sequence] = {}  # every request not yet collected
+        self.requests: dict[str, Sequence] = {}  # every answer not yet collected
+        self.groups: dict[str, list[Sequence]] = {}  # request id -> its n answers
+        self.group_of: dict[str, str] = {}  # an answer's own id -> its request id
+        self.held: dict[str, list[Sequence]] = {}  # answers 1..n-1 of a request
+        #   wait here until answer 0 has computed the prompt (Chapter 6: they fork)
         self.history: list[StepRecord] = []
         self._ids = itertools.count()
         self._weights = weights_version(model)  # what the cached K/V were made with
@@ -130,7 +152,8 @@ class LLMEngine:
                     request_id: str | None = None,
                     arrival_time: float | None = None) -> str:
         """Queue one request (text or token ids). Everything is checked first: a bad
-        request raises ValueError and changes nothing."""
+        request raises ValueError and changes nothing. With params.n > 1 the request
+        has n answers, each with its own random numbers."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: give "
@@ -139,14 +162,60 @@ class LLMEngine:
                 raise ValueError("the prompt is empty; give some text")
             prompt = self.tokenizer.encode(prompt)
         if request_id is None:  # the next number that nobody uses
-            request_id = next(str(i) for i in self._ids if str(i) not in self.requests)
-        if not isinstance(request_id, str) or request_id in self.requests:
+            request_id = next(str(i) for i in self._ids if str(i) not in self.groups)
+        if not isinstance(request_id, str) or request_id in self.groups \
+                or request_id in self.group_of:
             raise ValueError(f"request_id={request_id!r}: give a new, unique string")
         seq = Sequence.create(self.model, prompt, params, self.tokenizer, request_id,
                               arrival_time)
-        if seq.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) + max_new_tokens "
-                             f"({seq.params.max_new_tokens}) = {seq.max_tokens} "
+        self._check_fits(seq)
+        seqs = [seq] + [self._answer(seq, i) for i in range(1, seq.params.n)]
+        self.groups[request_id] = seqs
+        for s in seqs:
+            self.requests[s.request_id] = s
+            self.group_of[s.request_id] = request_id
+            self.runner.add(s)
+        forks = (len(seqs) > 1 and hasattr(self.kv, "fork")
+                 and self.scheduler.policy == "continuous")
+        for s in seqs[:1] if forks else seqs:
+            self.scheduler.add(s)
+        if forks:
+            self.held[seq.request_id] = seqs[1:]
+        return request_id
+
+    def _release(self, parent: Sequence) -> None:
+        """Answer 0 has computed the prompt: the other answers start on its blocks
+        (kv.fork, reference counts), or, without a free block, queue up."""
+        for child in self.held.pop(parent.request_id, []):
+            s = self.scheduler
+            if child.is_finished:
+                continue  # aborted while it waited
+            if len(s.running) < s.max_num_seqs and self.kv.fork(parent, child):
+                child.num_computed_tokens = len(child.prompt_ids) - 1
+                child.status = RUNNING
+                s.running.append(child)
+            else:
+                s.waiting.appendleft(child)
+
+    def _answer(self, seq: Sequence, i: int) -> Sequence:
+        """Answer i of an n > 1 request: the same prompt, its own id (vLLM's
+        f"{i}_{request_id}") and, for a seeded request, the seed + i."""
+        seed = seq.params.seed
+        params = seq.params if seed is None else dataclasses.replace(
+            seq.params, seed=(seed + i) % 2**64)
+        child_id = f"{i}_{seq.request_id}"
+        if child_id in self.requests:
+            raise ValueError(f"request_id={seq.request_id!r}: its answer id "
+                             f"{child_id!r} is taken; give another request id")
+        child = Sequence.create(self.model, seq.prompt_ids, params, self.tokenizer,
+                                child_id, seq.arrival_time)
+        child.index = i
+        return child
+
+    def _check_fits(self, seq: Sequence) -> None:
+        if seq.max_positions > self.max_model_len:
+            raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens "
+                             f"({seq.params.max_tokens}) = {seq.max_positions} "
                              f"exceeds max_model_len={self.max_model_len}")
         if self.kv.too_long(seq):
             raise ValueError(self.kv.too_long(seq))
@@ -156,18 +225,15 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(seq.prompt_ids)} tokens; a step "
                              f"holds at most max_num_batched_tokens={budget} "
                              "(enable_chunked_prefill=True would cut it in chunks)")
-        if whole and self.kv.grows_per_token and seq.max_tokens > budget:
-            raise ValueError(f"prompt + max_new_tokens = {seq.max_tokens} tokens: "
+        if whole and self.kv.grows_per_token and seq.max_positions > budget:
+            raise ValueError(f"prompt + max_tokens = {seq.max_positions} tokens: "
                              "after a preemption (Chapter 6) they are computed again "
                              f"in one step; max_num_batched_tokens={budget} is less")
-        self.requests[request_id] = seq
-        self.runner.add(seq)
-        self.scheduler.add(seq)
-        return request_id
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, append a token to every request whose prompt is
-        complete (one in the middle of its prompt gets the next chunk computed)."""
+        complete (one in the middle of its prompt gets the next chunk computed).
+        Returns one RequestOutput per request that moved: what this step added."""
         if self.kv.prefix_caching and self.scheduler.waiting:  # only admission looks
             version = weights_version(self.model)  # up cached blocks (Chapter 6)
             if version != self._weights:
@@ -184,38 +250,70 @@ class LLMEngine:
             self.scheduler.undo(batch)  # nothing half done stays behind
             raise
         now = time.perf_counter()
-        outputs, useful = [], 0
+        outputs: dict[str, RequestOutput] = {}
+        useful = 0
         for seq, token in zip(batch.seqs, new_ids):  # every request gets its result
             if token is None:
                 continue  # a padding row, or a prompt with chunks still to compute
             useful += 1
+            logprobs = None
             try:
                 if isinstance(token, Exception):
                     raise token  # its row could not be sampled
-                text = seq.append(token, now)
+                if isinstance(token, tuple):  # (id, {id: Logprob}): logprobs asked
+                    token, logprobs = token
+                    self._decode_logprobs(logprobs)
+                text = seq.append(token, now, logprobs)
             except Exception as e:  # this request's own failure: it ends, others go on
-                text = seq.fail(f"{type(e).__name__}: {e}", now)
+                text, logprobs = seq.fail(f"{type(e).__name__}: {e}", now), None
+            if seq.request_id in self.held:  # its prompt is computed: fork
+                self._release(seq)
             new = [] if seq.finish_reason == "error" else [token]
-            outputs.append(RequestOutput(seq.request_id, new, text, seq.is_finished,
-                                         seq.finish_reason, seq.error))
+            self._delta(outputs, seq, text, new, logprobs)
             if seq.is_finished:
                 self._finished(seq)
+        for rid, out in outputs.items():
+            out.finished = all(s.is_finished for s in self.groups[rid])
         self._record(batch, start, now, useful, padding)
-        return outputs
+        return list(outputs.values())
+
+    def _delta(self, outputs: dict, seq: Sequence, text: str, new: list[int],
+               logprobs: dict | None) -> None:
+        """Add what this step gave `seq` to its request's RequestOutput."""
+        rid = self.group_of[seq.request_id]
+        if rid not in outputs:
+            outputs[rid] = RequestOutput(rid, None, seq.prompt_ids, [], False)
+        outputs[rid].outputs.append(CompletionOutput(
+            seq.index, text, new, seq.cumulative_logprob,
+            None if logprobs is None else [logprobs], seq.finish_reason,
+            seq.stop_reason, seq.error))
+
+    def _decode_logprobs(self, logprobs: dict) -> None:
+        """Each Logprob gets its token's text (vLLM's decoded_token)."""
+        if self.tokenizer is not None:
+            for token, lp in logprobs.items():
+                lp.decoded_token = self.tokenizer.decode([token])
 
     def abort(self, request_id: str) -> RequestOutput:
-        """Stop a request now and free its memory. Unknown ids raise KeyError."""
+        """Stop a request (all its answers) now and free its memory. Unknown ids
+        raise KeyError."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id={request_id!r:.60}: request ids are strings")
-        seq = self.requests.get(request_id)
-        if seq is None:
+        seqs = self.groups.get(request_id)
+        if seqs is None:
             raise KeyError(f"no request {request_id!r} (known: "
-                           f"{sorted(self.requests)[:5]}...)")
-        if not seq.is_finished:
-            text = seq.finish("abort")
-            self._finished(seq)
-            return RequestOutput(request_id, [], text, True, "abort")
-        return RequestOutput(request_id, [], "", True, seq.finish_reason)
+                           f"{sorted(self.groups)[:5]}...)")
+        self.held.pop(seqs[0].request_id, None)  # answers that never started
+        outputs = []
+        for seq in seqs:
+            text = ""
+            if not seq.is_finished:
+                text = seq.finish("abort")
+                self._finished(seq)
+            outputs.append(CompletionOutput(seq.index, text, [], seq.cumulative_logprob,
+                                            None, seq.finish_reason, seq.stop_reason,
+                                            seq.error))
+        return RequestOutput(request_id, None, seqs[0].prompt_ids, outputs, True)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (vLLM's name); False if this KV memory keeps none.
@@ -230,16 +328,23 @@ class LLMEngine:
         self.runner.remove(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.held)
 
-    def pop(self, request_id: str) -> Sequence:
-        """Hand back a finished request (its ids, text, times) and forget it."""
+    def is_finished(self, request_id: str) -> bool:
+        """Have all of the request's answers finished?"""
+        return all(s.is_finished for s in self.groups[request_id])
+
+    def pop(self, request_id: str) -> Sequence | list[Sequence]:
+        """Hand back a finished request (its ids, text, times) and forget it: its
+        Sequence, or with n > 1 the list of its n Sequences (answer 0 first)."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id={request_id!r:.60}: request ids are strings")
-        seq = self.requests[request_id]
-        if not seq.is_finished:
+        if not self.is_finished(request_id):  # an unknown id: KeyError
             raise ValueError(f"request {request_id!r} has not finished")
-        return self.requests.pop(request_id)
+        seqs = self.groups.pop(request_id)
+        for s in seqs:
+            del self.requests[s.request_id], self.group_of[s.request_id]
+        return seqs[0] if len(seqs) == 1 else seqs
 
     MAX_HISTORY = 100_000  # steps kept in engine.history (the oldest half goes)
 
@@ -258,27 +363,32 @@ class LLMEngine:
             kv_reserved=reserved, kv_capacity=capacity))
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45-front
-@dataclass
-class CompletionOutput:
-    """One finished request, as LLM.generate returns it."""
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    metrics: dict = field(default_factory=dict)  # seconds: ttft, e2e, tpot
-    error: str | None = None       # with finish_reason "error": what went wrong
+def request_metrics(seqs: Sequence | list[Sequence]) -> dict:
+    """Latency numbers of a finished request (one Sequence, or the n answers of
+    one request), in seconds. With n > 1: the first token of any answer, the finish
+    of the last one; tpot only for one answer."""
+    seqs = [seqs] if isinstance(seqs, Sequence) else list(seqs)
+    seq, n = seqs[0], sum(len(s.output_ids) for s in seqs)
+    firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
+    first = min(firsts) if firsts else None
+    finish = max(s.finish_time for s in seqs)
+    tpot = None
+    if len(seqs) == 1 and n > 1:
+        tpot = (seq.token_times[-1] - seq.first_token_time) / (n - 1)
+    return dict(arrival=seq.arrival_time,
+                ttft=None if first is None else first - seq.arrival_time,
+                e2e=finish - seq.arrival_time, tpot=tpot, first_token=first,
+                finish=finish, prompt_tokens=len(seq.prompt_ids), output_tokens=n)
 
 
-def request_metrics(seq: Sequence) -> dict:
-    """Latency numbers of a finished request, in seconds."""
-    n = len(seq.output_ids)
-    ttft = seq.ttft
-    e2e = seq.finish_time - seq.arrival_time
-    tpot = ((seq.token_times[-1] - seq.first_token_time) / (n - 1)) if n > 1 else None
-    return dict(arrival=seq.arrival_time, ttft=ttft, e2e=e2e, tpot=tpot,
-                first_token=seq.first_token_time, finish=seq.finish_time,
-                prompt_tokens=len(seq.prompt_ids), output_tokens=n)
+def final_output(request_id: str, prompt, seqs: list[Sequence]) -> RequestOutput:
+    """A finished request as LLM.generate returns it: every answer whole."""
+    outputs = [CompletionOutput(s.index, s.text, list(s.output_ids),
+                                s.cumulative_logprob, s.logprobs, s.finish_reason,
+                                s.stop_reason, s.error) for s in seqs]
+    return RequestOutput(request_id, prompt if isinstance(prompt, str) else None,
+                         list(seqs[0].prompt_ids), outputs, True,
+                         request_metrics(seqs))
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45b-llm
 def _prompt_list(prompts) -> list:
@@ -303,14 +413,19 @@ def _is_one_prompt(prompts) -> bool:
 
 class LLM:
     """The offline front door, with the names vLLM users know:
-    LLM(model_path).generate(prompts, params) -> one CompletionOutput per prompt."""
+    LLM(model_path).generate(prompts, sampling_params) -> one RequestOutput per
+    prompt; outputs[0].outputs[0].text is the first prompt's answer."""
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, dtype=None, device=None,
                  quantization: str | None = None, policy: str = "continuous",
                  kv_cache: str | None = None, cuda_graphs: bool = False,
-                 enable_chunked_prefill: bool = True, **paged):
+                 enable_chunked_prefill: bool = True, seed: int | None = None,
+                 **paged):
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed < 2**64):
+            raise ValueError(f"seed={seed!r}: None or an int in [0, 2**64)")
         if not isinstance(model, torch.nn.Module):  # a folder or a Hub name
             from minillm.model import load_model, resolve_folder
             from minillm.tokenizer import Tokenizer
@@ -329,11 +444,15 @@ class LLM:
                                 max_model_len, policy, kv_cache, cuda_graphs,
                                 enable_chunked_prefill,
                                 **paged)
+        if seed is not None:  # requests without their own seed draw from this one
+            self.engine.runner.default_generator = torch.Generator(
+                self.engine.runner.device).manual_seed(seed)
 
-    def generate(self, prompts, params: SamplingParams | list | None = None,
-                 use_tqdm: bool = True) -> list[CompletionOutput]:
-        """prompts: one prompt or a list (text or token ids); params: one for all or
-        one per prompt. Returns the outputs in the order of the prompts."""
+    def generate(self, prompts, sampling_params: SamplingParams | list | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: one prompt or a list (text or token ids); sampling_params: one for
+        all or one per prompt. Returns the outputs in the order of the prompts."""
+        params = sampling_params
         if not isinstance(use_tqdm, bool):
             raise ValueError(f"use_tqdm={use_tqdm!r}: must be True or False")
         prompts = _prompt_list(prompts)
@@ -354,9 +473,10 @@ class LLM:
                 self.engine.abort(rid)
                 self.engine.pop(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(ids, use_tqdm, prompts)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[CompletionOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool,
+             prompts: list) -> list[RequestOutput]:
         from tqdm.auto import tqdm
         engine = self.engine
         todo = set(ids)  # until these finish; other requests (streams) go along
@@ -364,7 +484,7 @@ class LLM:
         try:
             while todo:
                 engine.step()
-                done = {rid for rid in todo if engine.requests[rid].is_finished}
+                done = {rid for rid in todo if engine.is_finished(rid)}
                 bar.update(len(done))
                 todo -= done
         except BaseException:  # an error or Ctrl-C: nothing stays queued or allocated
@@ -375,13 +495,12 @@ class LLM:
         finally:
             bar.close()
         done = [engine.pop(rid) for rid in ids]
-        return [CompletionOutput(s.request_id, s.prompt_ids, s.output_ids, s.text,
-                                 s.finish_reason, request_metrics(s), s.error)
-                for s in done]
+        return [final_output(rid, prompt, seqs if isinstance(seqs, list) else [seqs])
+                for rid, prompt, seqs in zip(ids, prompts, done)]
 
     def chat(self, messages, sampling_params: SamplingParams | list | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[CompletionOutput]:
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'} messages) or a list of
         them, each written with the model's chat template (Chapter 1) and answered.
         Returns one output per conversation, as vLLM's LLM.chat does."""
@@ -403,6 +522,9 @@ class LLM:
         """Queue one request now (a bad one raises here) and iterate over its text as
         it grows. Whoever steps the engine (another stream, generate), the stream
         yields every piece of its own text, in order."""
+        if params is not None and getattr(params, "n", 1) != 1:
+            raise ValueError(f"n={params.n}: a stream is one answer; use n=1, or "
+                             "LLMEngine.step() for n answers")
         return TextStream(self.engine, self.engine.add_request(prompt, params))
 
 

@@ -6,8 +6,34 @@ from __future__ import annotations
 import torch
 
 from ..model import StepMeta
-from ..sampling import make_generator, sample
-from ..sequence import Sequence, block_early_stop
+from ..sampling import _penalize, make_generator, sample
+from ..sequence import Logprob, Sequence, block_early_stop
+
+
+def token_logprobs(logits: torch.Tensor, params: list, history, outputs,
+                   ids: torch.Tensor, asked: list[bool]) -> torch.Tensor:
+    """What `logprobs` report, as one tensor [B, 2 + 2k]: for each row the sampled
+    token's log-probability and rank, then the k best tokens' log-probabilities and
+    ids. The distribution is log_softmax of the logits after the request's penalties
+    and temperature, before top-k/top-p/min-p drop any token (k = the largest ask)."""
+    B = logits.shape[0]
+    prev = [None] * B if history is None else history
+    logp = _penalize(logits.float(), params, prev, outputs).log_softmax(-1)
+    chosen = logp.gather(-1, ids[:, None])  # [B, 1]
+    rank = (logp > chosen).sum(-1, keepdim=True) + 1
+    k = max(p.logprobs for p, a in zip(params, asked) if a)
+    best, best_ids = logp.topk(k, dim=-1)  # k = 0: empty
+    return torch.cat([chosen, rank.to(logp.dtype), best,
+                      best_ids.to(logp.dtype)], dim=-1)
+
+
+def _logprob_dict(token: int, row: list[float], k: int) -> dict:
+    """{id: Logprob} of one row of token_logprobs: the sampled token and the k best."""
+    width = (len(row) - 2) // 2
+    values, ids = row[2:2 + k], row[2 + width:2 + width + k]
+    out = {int(t): Logprob(v, r + 1) for r, (v, t) in enumerate(zip(values, ids))}
+    out[token] = Logprob(row[0], int(row[1]))
+    return out
 
 
 class ModelRunner:
@@ -19,10 +45,13 @@ class ModelRunner:
         self.model, self.kv = model, kv
         self.device = model.embed_tokens.weight.device
         self.generators: dict[str, torch.Generator | None] = {}
+        self.default_generator = None  # unseeded requests: torch's global one
 
     def add(self, seq: Sequence) -> None:
         """Each request draws from its own generator: its seed, its tokens."""
-        self.generators[seq.request_id] = make_generator(seq.params, self.device)
+        own = make_generator(seq.params, self.device)
+        self.generators[seq.request_id] = (self.default_generator if own is None
+                                           else own)
 
     def remove(self, seq: Sequence) -> None:
         self.generators.pop(seq.request_id, None)
@@ -106,46 +135,62 @@ class ModelRunner:
         return out
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:
-        """One token per row of logits [B, vocab], with each request's params. A row
-        that cannot be sampled gets the ValueError that says why, in its place: its
-        request ends with that error, the others keep their tokens."""
-        logits = block_early_stop(logits, seqs)  # min_new_tokens
+        """One token per row of logits [B, vocab], with each request's params: a token
+        id, or (id, {id: Logprob}) for a request that asked for logprobs. A row that
+        cannot be sampled gets the ValueError that says why, in its place: its request
+        ends with that error, the others keep their tokens."""
+        logits = block_early_stop(logits, seqs)  # min_tokens
         params = [s.params for s in seqs]
         generators = [self.generators.get(s.request_id) for s in seqs]
-        history = None
-        if any(p.repetition_penalty != 1.0 for p in params):  # only then: the ids seen
+        history = outputs = None
+        if any(p.penalized for p in params):  # only then: the ids seen
             none = torch.empty(0, dtype=torch.long, device=self.device)
             history = [torch.tensor(s.prompt_ids + s.output_ids, device=self.device)
-                       if s.params.repetition_penalty != 1.0 else none for s in seqs]
+                       if s.params.penalized else none for s in seqs]
+            outputs = [torch.tensor(s.output_ids, dtype=torch.long, device=self.device)
+                       if s.params.penalized else none for s in seqs]
         ok = torch.isfinite(logits.amax(-1))  # NaN/inf from the model: not drawn from
         zero = torch.zeros((), device=logits.device, dtype=logits.dtype)
         safe = (logits if all(p.greedy for p in params)  # nothing drawn: no copy
                 else torch.where(ok[:, None], logits, zero))
         try:
-            ids = sample(safe, params, generators, prev_ids=history, check=False)
+            ids = sample(safe, params, generators, prev_ids=history, check=False,
+                         output_ids=outputs)
         except ValueError:  # find the rows that fail: each on its own
             return self._checked(seqs, logits, params, generators, history,
-                                 range(len(seqs)))
-        n = len(seqs)
-        both = torch.cat([ids, ok.long()]).tolist()  # the step's one device read
-        out, fine = both[:n], both[n:]
+                                 outputs, range(len(seqs)))
+        n, asked = len(seqs), [p.logprobs is not None for p in params]
+        extra = (token_logprobs(safe, params, history, outputs, ids, asked)
+                 if any(asked) else None)
+        parts = [ids, ok.long()] + ([] if extra is None else [extra.flatten()])
+        both = torch.cat([p.double() for p in parts]).tolist()  # the one device read
+        out = [int(t) for t in both[:n]]
+        fine = both[n:2 * n]
+        if extra is not None:  # each row: its token's log-prob and rank, then top-k
+            width = extra.shape[1]
+            for i in range(n):
+                if asked[i]:
+                    r = both[2 * n + i * width:2 * n + (i + 1) * width]
+                    out[i] = (out[i], _logprob_dict(out[i], r, params[i].logprobs))
         bad = [i for i in range(n) if not fine[i]]  # each ends with its error
         for i, error in zip(bad, self._checked(seqs, logits, params, generators,
-                                               history, bad)):
+                                               history, outputs, bad)):
             out[i] = error
         return out
 
-    def _checked(self, seqs, logits, params, generators, history, rows) -> list:
-        """Rows `rows` sampled one by one, with the checks: a token or the error."""
+    def _checked(self, seqs, logits, params, generators, history, outputs,
+                 rows) -> list:
+        """Rows `rows` sampled one by one, with the checks: a token or the error.
+        (A row that only fails here never asked for much: no logprobs.)"""
         out = []
         for i in rows:
+            one = (lambda x: None if x is None else x[i:i + 1])
             try:
                 out += sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1],
-                              prev_ids=None if history is None
-                              else history[i:i + 1]).tolist()
+                              prev_ids=one(history), output_ids=one(outputs)).tolist()
             except ValueError as e:
                 out.append(type(e)(f"request {seqs[i].request_id!r}: {e}"))
         return out
 
 # %% auto #0
-__all__ = ['ModelRunner']
+__all__ = ['token_logprobs', 'ModelRunner']

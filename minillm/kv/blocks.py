@@ -137,6 +137,29 @@ class BlockManager:
             self.hits += len(shared)
         return self.computed[request_id]
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple | None:
+        """Parallel sampling (n > 1): another answer to the parent's prompt of
+        num_tokens tokens. The child shares, by reference count, every block of the
+        parent that holds only positions before the last one; the last prompt token
+        it computes itself (its logits give its own first token), into a block of its
+        own. If that block also holds earlier positions, it starts as a copy of the
+        parent's (copy-on-write): returns (parent's block, child's block) for the
+        caller to copy the K/V, else None."""
+        if child_id in self.tables:
+            raise ValueError(f"request {child_id!r} holds blocks already")
+        if self.num_free < 1:
+            raise RuntimeError("no free block to fork into: check num_free first")
+        last = num_tokens - 1  # the position the child computes
+        parent = self.tables[parent_id][:self.blocks_for(num_tokens)]
+        table = [self._take(block) for block in parent[:last // self.block_size]]
+        table.append(self._take(self._evict()))
+        self.tables[child_id] = table
+        self.computed[child_id] = last
+        self.pending[child_id] = []  # the parent names the shared blocks
+        if last % self.block_size == 0:
+            return None  # the child's block starts at its own first position
+        return parent[last // self.block_size], table[-1]
+
     def can_append(self, request_id: str, num_tokens: int) -> bool:
         """Room for the token at position num_tokens - 1 (a new block only when the
         last block is full)?"""

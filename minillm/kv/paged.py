@@ -78,9 +78,10 @@ class PagedKVCache(KVCache):
 
     def too_long(self, seq: Sequence) -> str | None:
         """Why a request can never run here (None: it can, when blocks are free)."""
-        need = self.blocks.blocks_for(seq.max_tokens)
+        need = self.blocks.blocks_for(seq.max_positions)
         if need > self.num_blocks:
-            return (f"request {seq.request_id!r} may need {seq.max_tokens} positions "
+            return (f"request {seq.request_id!r} may need {seq.max_positions} "
+                    "positions "
                     f"= {need} blocks of {self.block_size}; the pool has "
                     f"{self.num_blocks}")
         return None
@@ -95,6 +96,21 @@ class PagedKVCache(KVCache):
 
     def allocate(self, seq: Sequence) -> None:
         self.blocks.allocate(seq.request_id, token_ids(seq))
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Start `child`, another answer to `parent`'s prompt, on the parent's blocks
+        (BlockManager.fork): only its last prompt token is left to compute. False if
+        no block is free (then it waits and computes its prompt itself)."""
+        if self.num_free < 1:
+            return False
+        copy = self.blocks.fork(parent.request_id, child.request_id,
+                                len(child.prompt_ids))
+        if copy is not None:  # copy-on-write: the partly filled block, every layer
+            bs = self.block_size
+            src, dst = (slice(b * bs, (b + 1) * bs) for b in copy)
+            for layer in self.k + self.v:  # [slots, kv_heads, head_dim]
+                layer[dst] = layer[src]
+        return True
 
     def cached_tokens(self, seq: Sequence) -> int:
         """Tokens of the request that the prefix cache holds (before allocate)."""

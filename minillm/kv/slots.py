@@ -57,9 +57,9 @@ class SlotKVCache(KVCache):
         if seq.request_id in self.row_of:
             raise ValueError(f"request {seq.request_id!r} already holds row "
                              f"{self.row_of[seq.request_id]}")
-        if seq.max_tokens > self.max_seq_len:
-            raise ValueError(f"request {seq.request_id!r} needs {seq.max_tokens} "
-                             f"positions; a row holds {self.max_seq_len}")
+        if seq.max_positions > self.max_seq_len:
+            raise ValueError(f"request {seq.request_id!r} needs {seq.max_positions} "
+                             "positions; a row holds {self.max_seq_len}")
         if not self.free_rows:
             raise RuntimeError("no free row: ask can_allocate first")
         self.row_of[seq.request_id] = heapq.heappop(self.free_rows)
@@ -84,8 +84,9 @@ class SlotKVCache(KVCache):
 
     def too_long(self, seq: Sequence) -> str | None:
         """Why a request can never run here (None: it fits a row)."""
-        if seq.max_tokens > self.max_seq_len:
-            return (f"request {seq.request_id!r} may need {seq.max_tokens} positions; "
+        if seq.max_positions > self.max_seq_len:
+            return (f"request {seq.request_id!r} may need {seq.max_positions} "
+                    "positions; "
                     f"a row holds {self.max_seq_len}")
         return None
 

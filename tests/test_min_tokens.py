@@ -1,5 +1,5 @@
-"""SamplingParams.min_new_tokens: no EOS, stop id or stop string before that many new
-tokens, in every loop of the book, the same ids as transformers' min_new_tokens."""
+"""SamplingParams.min_tokens: no EOS, stop id or stop string before that many new
+tokens, in every loop of the book, the same ids as transformers' min_tokens."""
 import dataclasses
 
 import pytest
@@ -18,25 +18,25 @@ PROMPT = [1, 5, 9, 14]
 
 @pytest.mark.parametrize("value", [-1, 1.5, "3", True, None, 11])
 def test_bad_values_are_refused_with_the_allowed_range(value):
-    with pytest.raises(ValueError, match=r"min_new_tokens=.* must be an int in \[0, "
-                                         r"max_new_tokens=10\]"):
-        SamplingParams(max_new_tokens=10, min_new_tokens=value)
+    with pytest.raises(ValueError, match=r"min_tokens=.* must be an int in \[0, "
+                                         r"max_tokens=10\]"):
+        SamplingParams(max_tokens=10, min_tokens=value)
 
 
 def test_default_is_off_and_numpy_ints_become_ints():
     import numpy as np
-    assert SamplingParams().min_new_tokens == 0
-    p = SamplingParams(max_new_tokens=8, min_new_tokens=np.int64(8))
-    assert p.min_new_tokens == 8 and type(p.min_new_tokens) is int
-    with pytest.raises(ValueError, match="min_new_tokens"):
-        dataclasses.replace(p, max_new_tokens=4)  # replace runs the checks again
+    assert SamplingParams().min_tokens == 0
+    p = SamplingParams(max_tokens=8, min_tokens=np.int64(8))
+    assert p.min_tokens == 8 and type(p.min_tokens) is int
+    with pytest.raises(ValueError, match="min_tokens"):
+        dataclasses.replace(p, max_tokens=4)  # replace runs the checks again
 
 
 @pytest.fixture(scope="module")
 def early(llama):
     """The llama pair, with an EOS that greedy decoding reaches after 3 tokens."""
     hf, model = llama
-    free = generate(model, PROMPT, SamplingParams(temperature=0, max_new_tokens=24,
+    free = generate(model, PROMPT, SamplingParams(temperature=0, max_tokens=24,
                                                    ignore_eos=True))
     eos = free[3]
     saved = list(model.config.eos_token_ids)
@@ -46,9 +46,9 @@ def early(llama):
 
 
 @pytest.mark.parametrize("m", [0, 1, 4, 9, 24])
-def test_every_loop_equals_transformers_min_new_tokens(early, m):
+def test_every_loop_equals_transformers_min_tokens(early, m):
     hf, model, eos, free = early
-    params = greedy(24, min_new_tokens=m)
+    params = greedy(24, min_tokens=m)
     ours = generate(model, PROMPT, params)
     assert naive_generate(model, PROMPT, params) == ours
     assert ours == hf_greedy(hf, PROMPT, 24, eos_token_id=eos, min_new_tokens=m)
@@ -65,7 +65,7 @@ def test_every_loop_equals_transformers_min_new_tokens(early, m):
 def test_stop_ids_and_stop_strings_wait_too(early):
     _, model, eos, free = early
     stop = free[1]
-    ours = generate(model, PROMPT, greedy(24, min_new_tokens=5, ignore_eos=True,
+    ours = generate(model, PROMPT, greedy(24, min_tokens=5, ignore_eos=True,
                                           stop_token_ids=[stop]))
     assert stop not in ours[:5] and len(ours) > 5
 
@@ -73,15 +73,15 @@ def test_stop_ids_and_stop_strings_wait_too(early):
         def decode(self, ids):
             return "".join(chr(97 + i % 26) for i in ids)
     text = Letters().decode(free)
-    params = greedy(24, min_new_tokens=6, ignore_eos=True, stop=[text[2]])
+    params = greedy(24, min_tokens=6, ignore_eos=True, stop=[text[2]])
     out = generate(model, PROMPT, params, tokenizer=Letters())
     assert len(out) > 6 and text[2] in Letters().decode(out)[6:]
 
 
 def test_block_early_stop_masks_only_rows_that_must_go_on(early):
     _, model, eos, _ = early
-    a = Sequence.create(model, PROMPT, greedy(10, min_new_tokens=2))
-    b = Sequence.create(model, PROMPT, greedy(10, min_new_tokens=0))
+    a = Sequence.create(model, PROMPT, greedy(10, min_tokens=2))
+    b = Sequence.create(model, PROMPT, greedy(10, min_tokens=0))
     logits = torch.zeros(2, model.config.vocab_size)
     assert block_early_stop(logits, [b, b]) is logits  # nothing to do: no copy
     out = block_early_stop(logits, [a, b])
