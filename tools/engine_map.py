@@ -1,6 +1,6 @@
 """Draw the "you are here" map of the engine that opens every chapter.
 
-    python tools/engine_map.py            # write book/figures/engine_map_00.svg ... _08.svg
+    python tools/engine_map.py            # write book/figures/engine_map_00.svg ... _09.svg
     python tools/engine_map.py --check    # fail if a committed map differs from a fresh one
 
 One drawing of the engine's data flow (text -> tokenizer -> prompt ids -> scheduler ->
@@ -36,6 +36,7 @@ TITLES = {
     6: "PagedAttention",
     7: "Performance",
     8: "Troubleshooting",
+    9: "Serving",
 }
 
 WIDTH, HEIGHT = 10.0, 5.3  # inches; one data unit is one inch
@@ -87,6 +88,7 @@ HIGHLIGHT = {n: {b.key for b in BOXES if b.chapter == n} for n in TITLES}
 HIGHLIGHT[0] = {"text_in", "encode", "prompt", "scheduler", "model", "attention", "kv",
                 "sampling", "new_ids", "decode", "text_out", "memory"}
 HIGHLIGHT[8] = set()
+HIGHLIGHT[9] = {"text_in", "text_out"}  # and the server box drawn below them
 
 # Chapter 8 marks where each symptom of its troubleshooting table comes from.
 SYMPTOMS = [  # (text, x, y) of the tag's centre
@@ -178,6 +180,15 @@ def draw(chapter: int) -> plt.Figure:
                     color=SYMPTOM_EDGE, fontweight="bold", gid="symptom",
                     bbox=dict(boxstyle="round,pad=0.25", fc=SYMPTOM_FILL, ec=SYMPTOM_EDGE,
                               lw=1.2))
+
+    if chapter == 9:  # the HTTP server in front of the engine: text in, SSE out
+        ax.add_patch(FancyBboxPatch((0.15, 1.58), 2.85, 0.45,
+                                    boxstyle="round,pad=0,rounding_size=0.1", fc=HI_FILL,
+                                    ec=HI_EDGE, lw=2.2, gid="box-serve", zorder=2))
+        ax.text(1.575, 1.805, "OpenAI API server: HTTP, SSE", ha="center", va="center",
+                fontsize=FONT, color=HI_TEXT, fontweight="bold", zorder=3, gid="serve")
+        ax.add_patch(FancyArrowPatch((0.675, 2.03), (0.675, ROW_B), arrowstyle="<|-|>",
+                                     mutation_scale=13, lw=1.3, color=ARROW, zorder=4))
 
     # banner: where this chapter sits
     ax.add_patch(FancyBboxPatch((0.15, 4.6), 9.7, 0.55, boxstyle="round,pad=0,rounding_size=0.1",

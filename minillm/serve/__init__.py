@@ -1,0 +1,6 @@
+"""Chapter 9: an OpenAI-compatible HTTP server for the engine (`python -m minillm serve
+MODEL`). Exported from chapters/09_serving.ipynb: protocol.py (request bodies, errors),
+async_engine.py (the engine thread and per-request queues), metrics.py (Prometheus),
+app.py (the FastAPI routes and server-sent events), cli.py (the command line and a
+server in a background thread). Needs the `serve` extra: fastapi, uvicorn,
+prometheus_client."""
