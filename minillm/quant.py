@@ -144,10 +144,9 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.device.type == "cpu" and not _exact_blocks and int_mm_works(a.device):
         return torch._int_mm(a, b)
     if a.device.type == "cuda" and K % 8 == 0 and N % 8 == 0 and int_mm_works(a.device):
-        rows = max(M, 17)  # CUDA's _int_mm needs more than 16 rows: pad with zeros
-        padded = torch.zeros(rows, K, dtype=torch.int8, device=a.device)
-        padded[:M] = a
-        return torch._int_mm(padded, b.contiguous())[:M]
+        if M <= 16:  # CUDA's _int_mm needs more than 16 rows: pad with zero rows
+            a = torch.cat([a, a.new_zeros(17 - M, K)])
+        return torch._int_mm(a, b)[:M]  # b as it is: weight.t() is not copied
     # exact in float: every sum is an integer of at most 128 * 128 * K, and
     # float32 holds every integer up to 2**24 (K <= 1024), float64 to 2**53
     exact = torch.float32 if 128 * 128 * K <= 2**24 else torch.float64

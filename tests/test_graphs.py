@@ -18,9 +18,13 @@ def test_default_buckets():
     assert default_buckets(8) == [1, 2, 4, 8]
     assert default_buckets(12) == [1, 2, 4, 8, 12]
     assert default_buckets(512, 16) == [16, 32, 64, 128, 256, 512]
+    assert default_buckets(512, 16, factor=4) == [16, 64, 256, 512]
     for bad in (0, -3, 2.0, True, "8"):
         with pytest.raises(ValueError, match="largest"):
             default_buckets(bad)
+    for bad in (1, 0, 2.5):
+        with pytest.raises(ValueError, match="factor"):
+            default_buckets(8, factor=bad)
 
 
 def requests(seed: int, n: int = 10):
@@ -40,8 +44,9 @@ def serve(model, kv_cache: str, graphs: bool, arrivals, capture=False, **kw) -> 
     runner = enable_cuda_graphs(engine, capture=capture) if graphs else None
     served = drive(engine, arrivals)
     if runner is not None:
-        assert runner.static and {b for b, _ in runner.static} <= {1, 2, 4, 5}
-        assert len({s for _, s in runner.static}) > 1  # spans grow with the requests
+        assert runner.used and {b for b, _ in runner.used} <= {1, 2, 4, 5}
+        assert len({s for _, s in runner.used}) > 1  # spans grow with the requests
+        assert runner.replays == (sum(runner.used.values()) if runner.capture else 0)
     return [r.seq.output_ids for r in served.values()]
 
 
@@ -84,6 +89,51 @@ def test_graph_replay_equals_eager_on_the_gpu(llama, kv_cache):
 
 
 @pytest.mark.cuda
+def test_graphs_are_captured_and_replayed(llama, monkeypatch):
+    """On a GPU: every bucket is a graph once enable_cuda_graphs returns, its time and
+    memory reported; each decode step replays one (cudaGraphLaunch in the profiler)
+    and nothing is recorded while serving."""
+    from torch.profiler import ProfilerActivity, profile
+    _, model = llama
+    gpu = model.to("cuda")
+    try:
+        engine = LLMEngine(gpu, max_num_seqs=4, kv_cache="paged")
+        runner = enable_cuda_graphs(engine)
+        assert len(runner.graphs) == len(runner.buckets) * len(runner.spans)
+        assert runner.capture_seconds > 0 and runner.capture_bytes > 0
+        monkeypatch.setattr(runner, "_capture", lambda key: pytest.fail(
+            f"recorded {key} while serving"))
+        for i in range(3):
+            engine.add_request([1, 5 + i, 9], SamplingParams(
+                temperature=0, max_tokens=12, ignore_eos=True))
+        engine.step()  # the prefill, eager
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            engine.step()
+            torch.cuda.synchronize()
+        launches = {e.key: e.count for e in p.key_averages()}
+        assert launches.get("cudaGraphLaunch", 0) == 1
+        while engine.has_unfinished():
+            engine.step()
+        assert runner.replays == sum(runner.used.values()) >= 11
+    finally:
+        model.to("cpu")
+
+
+@pytest.mark.cuda
+def test_graphs_refuse_a_model_compiled_with_its_own_graphs(llama):
+    import copy
+
+    from minillm.engine.graphs import compile_parts
+    _, model = llama
+    gpu = copy.deepcopy(model).to("cuda")
+    compile_parts(gpu, mode="reduce-overhead")
+    engine = LLMEngine(gpu, max_num_seqs=2)
+    with pytest.raises(ValueError, match="reduce-overhead"):
+        enable_cuda_graphs(engine)
+    assert not isinstance(engine.runner, GraphRunner)
+
+
+@pytest.mark.cuda
 def test_compiled_parts_inside_graphs_equal_eager_on_the_gpu(llama):
     import copy
 
@@ -96,6 +146,59 @@ def test_compiled_parts_inside_graphs_equal_eager_on_the_gpu(llama):
         compile_parts(compiled)
         got = serve(compiled, "paged", True, arrivals, capture=None)
     assert got == serve(gpu, "paged", False, arrivals)
+
+
+def test_every_bucket_is_recorded_up_front_largest_first(llama, monkeypatch):
+    """capture_all records each (batch bucket, span) once, the largest first, and
+    reports it; serving afterwards records nothing (here: the recording is stubbed,
+    as a CPU cannot record; on a GPU test_graphs_are_captured_and_replayed)."""
+    _, model = llama
+    engine = LLMEngine(model, max_num_seqs=4, kv_cache="paged")
+    runner = GraphRunner(engine.runner, [1, 2, 4], [16, 32])
+    recorded = []
+    monkeypatch.setattr(runner, "_capture", lambda key: (
+        recorded.append(key), runner.graphs.__setitem__(key, object())))
+    report = runner.capture_all()
+    assert recorded == [(4, 32), (4, 16), (2, 32), (2, 16), (1, 32), (1, 16)]
+    assert report.startswith("captured 6 CUDA graphs in ")
+    assert runner.capture_all() and len(recorded) == 6  # nothing twice
+
+
+def test_the_number_of_graphs_is_bounded(llama):
+    _, model = llama
+    engine = LLMEngine(model, max_num_seqs=256, kv_cache="paged", num_blocks=64)
+    assert engine.max_model_len == 128
+    assert len(enable_cuda_graphs(engine, capture=False).spans) == 4  # 16 ... 128
+    engine = LLMEngine(model, max_num_seqs=256, kv_cache="paged", num_blocks=64)
+    runner = enable_cuda_graphs(engine, capture=False, max_graphs=32)
+    assert runner.buckets == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert runner.spans == [16, 64, 128]  # 9 x 4 > 32: the spans grow by 4x
+    engine = LLMEngine(model, max_num_seqs=8, kv_cache="paged", num_blocks=64)
+    with pytest.raises(ValueError, match="4 batch buckets x 8 spans = 32 graphs"):
+        enable_cuda_graphs(engine, spans=default_buckets(2048, 16), max_graphs=16)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="max_graphs"):
+            enable_cuda_graphs(engine, max_graphs=bad)
+    assert not isinstance(engine.runner, GraphRunner)  # refused: nothing changed
+
+
+def test_what_cannot_live_in_a_graph_is_named(llama):
+    import copy
+
+    from minillm.engine.graphs import compile_parts, graph_blockers
+    _, model = llama
+    assert graph_blockers(model) is None
+    fake = copy.deepcopy(model)
+    Linear8bitLt = type("Linear8bitLt", (torch.nn.Linear,),
+                        {"__module__": "bitsandbytes.nn.modules"})
+    fake.layers[0].mlp.down_proj = Linear8bitLt(4, 4)
+    assert "layers.0.mlp.down_proj is a bitsandbytes layer" in graph_blockers(fake)
+    compiled = copy.deepcopy(model)
+    compile_parts(compiled, mode="reduce-overhead")  # compiles on first call only
+    assert "mode='reduce-overhead'" in graph_blockers(compiled)
+    fine = copy.deepcopy(model)
+    compile_parts(fine, mode="max-autotune-no-cudagraphs")
+    assert graph_blockers(fine) is None
 
 
 def test_graph_runner_keeps_the_engine_usable_after_an_error(llama):

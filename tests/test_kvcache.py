@@ -117,8 +117,8 @@ def test_mask_built_once_per_forward(llama):
     seen = []
     original = kvcache.causal_mask
 
-    def spy(meta, S):
-        seen.append(original(meta, S))
+    def spy(meta, S, group=1):
+        seen.append(original(meta, S, group))
         return seen[-1]
     kvcache.causal_mask = spy
     try:
@@ -129,8 +129,10 @@ def test_mask_built_once_per_forward(llama):
         kvcache.causal_mask = original
     prefill, decode = seen[:2], seen[2:]
     assert prefill[0] is prefill[1] and prefill[0].dtype == torch.bool
-    assert prefill[0].shape == (1, 1, len(PROMPT), len(PROMPT))
-    assert torch.equal(prefill[0][0, 0], torch.ones(9, 9, dtype=torch.bool).tril())
+    G = model.config.num_heads // model.config.num_kv_heads  # folded query heads
+    assert G > 1 and prefill[0].shape == (1, 1, G * len(PROMPT), len(PROMPT))
+    tril = torch.ones(9, 9, dtype=torch.bool).tril()
+    assert torch.equal(prefill[0][0, 0], tril.repeat(G, 1))  # row g * T + t: token t
     assert decode[0] is decode[1] and decode[0].shape == (1, 1, 1, 10) and decode[0].all()
 
 
@@ -380,3 +382,29 @@ def test_two_generations_on_one_cache_do_not_mix(llama):
     with pytest.raises(RuntimeError, match="another generation"):
         next(first)
     assert generate(model, PROMPT, params, cache=cache) == generate(model, PROMPT, params)
+
+
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_grouped_query_attention_never_copies_k_and_v(llama, kv_cache, monkeypatch):
+    """Through every cache, SDPA gets as many query heads as K/V heads (the query heads
+    of a K/V head folded into its rows) and no enable_gqa, whose general kernel would
+    repeat K and V per query head; the tokens stay transformers' (test_engine)."""
+    from minillm.engine import LLMEngine
+    from minillm.kv import contiguous
+    from minillm.sampling import SamplingParams
+    _, model = llama
+    assert model.config.num_heads > model.config.num_kv_heads  # a GQA model
+    calls = []
+    real = contiguous.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape[1], k.shape[1], kw.get("enable_gqa", False)))
+        return real(q, k, v, **kw)
+    monkeypatch.setattr(contiguous.F, "scaled_dot_product_attention", spy)
+    engine = LLMEngine(model, max_num_seqs=2, kv_cache=kv_cache)
+    for prompt in ([1, 5, 9, 4], [1, 7]):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+    monkeypatch.undo()
+    assert calls and all(h == kv and not gqa for h, kv, gqa in calls), calls

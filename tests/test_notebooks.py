@@ -159,3 +159,29 @@ def test_every_package_folder_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "minillm").rglob("__init__.py")}
     assert folders == listed, f"pyproject.toml [tool.setuptools] packages={sorted(listed)}; the package folders are {sorted(folders)}"
+
+
+def exercise_cells(path: Path) -> list[dict]:
+    """The code cells of the chapter's `## Exercises` section (up to the next `## `)."""
+    cells, inside = [], False
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        if cell["cell_type"] == "markdown":
+            for line in "".join(cell["source"]).splitlines():
+                if line.startswith("## "):
+                    inside = line.startswith("## Exercises")
+        elif inside:
+            cells.append(cell)
+    return cells
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_solutions_are_code_and_hidden_with_their_output(path):
+    """A solution is a cell that checks its answer; on the website the answer stays
+    folded away, its output too (hide-cell: hide-input would show the output)."""
+    cells = exercise_cells(path)
+    assert cells, f"{path.name}: the exercises have no solution cells"
+    shown = [c["id"] for c in cells
+             if "hide-cell" not in c.get("metadata", {}).get("tags", [])]
+    assert not shown, f"{path.name}: solution cells shown on the page: {shown}"
+    assert any("assert" in "".join(c["source"]) for c in cells), \
+        f"{path.name}: no solution asserts its answer"

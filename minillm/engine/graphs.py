@@ -3,25 +3,34 @@
 # %% ../../chapters/07_performance.ipynb #c41-graphs
 from __future__ import annotations
 
+import collections
+import logging
+import time
+
 import torch
 
 from ..model import StepMeta
+from ..utils import synchronize
+
+log = logging.getLogger("minillm")
 
 
-def default_buckets(largest: int, smallest: int = 1) -> list[int]:
-    """smallest, 2 x smallest, 4 x smallest, ... up to `largest` (and largest itself):
-    batch sizes 1, 2, 4, ... max_num_seqs; attention spans 16, 32, ... max_model_len."""
-    for name, v in [("largest", largest), ("smallest", smallest)]:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r}: must be an int >= 1")
+def default_buckets(largest: int, smallest: int = 1, factor: int = 2) -> list[int]:
+    """smallest, factor x smallest, factor**2 x smallest, ... up to `largest` (and
+    largest itself): batch sizes 1, 2, 4, ... max_num_seqs; spans 16, 32, ..."""
+    for name, v, low in [("largest", largest, 1), ("smallest", smallest, 1),
+                         ("factor", factor, 2)]:
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name}={v!r}: must be an int >= {low}")
     out, b = [], smallest
     while b < largest:
         out.append(b)
-        b *= 2
+        b *= factor
     return out + [largest]
 
 # %% auto #0
-__all__ = ['default_buckets', 'GraphRunner', 'capture_all', 'run', 'enable_cuda_graphs', 'compile_parts']
+__all__ = ['log', 'default_buckets', 'GraphRunner', 'capture_order', 'capture_all', 'run', 'graph_blockers', 'enable_cuda_graphs',
+           'compile_parts']
 
 # %% ../../chapters/07_performance.ipynb #c42-graphs
 class GraphRunner:
@@ -44,6 +53,10 @@ class GraphRunner:
         self.static: dict[tuple, tuple] = {}  # (bucket, span) -> (ids, meta, logits)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None                      # one memory pool for every graph
+        self.used = collections.Counter()     # decode steps per (bucket, span)
+        self.replays = 0                      # of them, replayed graphs
+        self.capture_seconds, self.capture_bytes = 0.0, 0
+        self.capture_report: str | None = None  # what capture_all took
 
     def __getattr__(self, name):              # add, remove, generators, ...
         return getattr(self.runner, name)
@@ -111,15 +124,44 @@ def _capture(self, key: tuple[int, int]) -> None:
     self.static[key], self.graphs[key] = (ids, meta, logits), graph
 
 
-def capture_all(self) -> None:
-    """Capture every bucket, the largest first (the others reuse its memory)."""
-    for b in sorted(self.buckets, reverse=True):
-        for s in sorted(self.spans, reverse=True):
-            if (b, s) not in self.graphs:
-                _capture(self, (b, s))
+def capture_order(self) -> list[tuple[int, int]]:
+    """Every (bucket, span), the largest first (the others reuse its memory)."""
+    return sorted(((b, s) for b in self.buckets for s in self.spans), reverse=True)
 
 
-GraphRunner._capture, GraphRunner.capture_all = _capture, capture_all
+@torch.inference_mode()
+def capture_all(self) -> str:
+    """Record every bucket now; returns (and logs) what it took."""
+    cuda = self.device.type == "cuda"
+    synchronize(self.device)
+    free = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+    start = time.perf_counter()
+    for key in self.capture_order():
+        if key in self.graphs:
+            continue
+        try:
+            self._capture(key)
+        except torch.cuda.OutOfMemoryError:
+            self.graphs.clear()
+            self.static.clear()
+            self.pool = None
+            raise MemoryError(
+                f"no GPU memory left to record the graph of batch {key[0]}, span "
+                f"{key[1]}: give enable_cuda_graphs smaller buckets or spans, or "
+                "lower gpu_memory_utilization") from None
+    synchronize(self.device)
+    self.capture_seconds = time.perf_counter() - start
+    if cuda:
+        self.capture_bytes = max(0, free - torch.cuda.mem_get_info(self.device)[0])
+    report = (f"captured {len(self.graphs)} CUDA graphs in "
+              f"{self.capture_seconds:.1f} s, {self.capture_bytes / 2**30:.2f} GiB")
+    log.info(report)
+    self.capture_report = report
+    return report
+
+
+GraphRunner._capture, GraphRunner.capture_order = _capture, capture_order
+GraphRunner.capture_all = capture_all
 
 # %% ../../chapters/07_performance.ipynb #c45-graphs
 @torch.inference_mode()
@@ -131,12 +173,12 @@ def run(self, batch) -> list:
     if key is None:                            # prefill, too many rows, too long
         return self.runner.run(batch)
     new_ids, new_meta = self.runner.prepare_decode(seqs)
-    if self.capture:
-        if key not in self.graphs:
-            self._capture(key)
+    self.used[key] += 1
+    if self.capture:                           # recorded up front (capture_all)
         ids, meta, logits = self.static[key]
         self._fill(ids, meta, new_ids, new_meta)
         self.graphs[key].replay()
+        self.replays += 1
     else:                                      # the same buffers, run eagerly
         if key not in self.static:
             self.static[key] = (*self._buffers(key), None)
@@ -150,29 +192,62 @@ def run(self, batch) -> list:
 GraphRunner.run = run
 
 # %% ../../chapters/07_performance.ipynb #c46-graphs
+def graph_blockers(model) -> str | None:
+    """Why `model` cannot be recorded in our CUDA graphs, or None."""
+    for name, m in model.named_modules():
+        if type(m).__module__.startswith("bitsandbytes"):
+            return (f"{name} is a bitsandbytes layer ({type(m).__name__}), which "
+                    "works on the CPU mid-forward; use quantize(model, 'w8a8' or "
+                    "'w8a16') with CUDA graphs")
+    mode = (getattr(model, "compile_options", None) or {}).get("mode")
+    if mode in ("reduce-overhead", "max-autotune"):
+        return (f"compile_parts(mode={mode!r}) records CUDA graphs of its own, "
+                "which cannot run inside ours; use mode='max-autotune-no-cudagraphs'"
+                " or the default")
+    return None
+
+
 def enable_cuda_graphs(engine, buckets: list[int] | None = None,
                        spans: list[int] | None = None,
-                       capture: bool | None = None) -> GraphRunner:
-    """Make `engine` decode through CUDA graphs (on a CUDA device; elsewhere through
-    the same static buffers, eagerly). Batch buckets default to 1, 2, 4, ...
-    max_num_seqs; attention spans to 16 (a block), 32, ... max_model_len."""
+                       capture: bool | None = None,
+                       max_graphs: int = 64) -> GraphRunner:
+    """Make `engine` decode through CUDA graphs, all recorded now (on a CUDA device;
+    elsewhere through the same static buffers, eagerly). Batch buckets default to
+    1, 2, 4, ... max_num_seqs; spans to 16 (a block), 32, ... max_model_len, or
+    16, 64, 256, ... to stay within max_graphs."""
     if isinstance(engine.runner, GraphRunner):
         raise ValueError("this engine decodes through CUDA graphs already")
+    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) \
+            or max_graphs < 1:
+        raise ValueError(f"max_graphs={max_graphs!r}: must be an int >= 1")
     if buckets is None:
         buckets = default_buckets(engine.scheduler.max_num_seqs)
     if spans is None:
         bs = getattr(engine.kv, "block_size", 16)
-        spans = default_buckets(-(-engine.max_model_len // bs) * bs, bs)
-    engine.runner = GraphRunner(engine.runner, buckets, spans, capture)
-    return engine.runner
+        top = -(-engine.max_model_len // bs) * bs
+        spans = default_buckets(top, bs)
+        if len(buckets) * len(spans) > max_graphs:
+            spans = default_buckets(top, bs, factor=4)
+    if len(buckets) * len(spans) > max_graphs:
+        raise ValueError(f"{len(buckets)} batch buckets x {len(spans)} spans = "
+                         f"{len(buckets) * len(spans)} graphs, more than "
+                         f"max_graphs={max_graphs}: give fewer buckets or spans")
+    runner = GraphRunner(engine.runner, buckets, spans, capture)
+    if runner.capture and graph_blockers(runner.model):
+        raise ValueError(graph_blockers(runner.model))
+    if runner.capture:
+        runner.capture_all()
+    engine.runner = runner
+    return runner
 
 # %% ../../chapters/07_performance.ipynb #c76-compile
 def compile_parts(model: torch.nn.Module, **options) -> list[str]:
     """torch.compile, in place, the pure tensor math of every layer: the two norms and
     the MLP, and the final norm. Compiling happens on the first calls. `options` go to
-    torch.compile. Returns the names of the compiled modules."""
+    torch.compile (kept in model.compile_options). Returns the compiled modules."""
     names = [f"layers.{i}.{part}" for i in range(len(model.layers))
              for part in ("input_layernorm", "post_attention_layernorm", "mlp")]
     for name in names + ["norm"]:
         model.get_submodule(name).compile(**options)
+    model.compile_options = dict(options)
     return names + ["norm"]

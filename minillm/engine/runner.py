@@ -93,7 +93,13 @@ class ModelRunner:
                                              [0] * len(seqs))
 
     def _tensor(self, x) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.long, device=self.device)
+        """A step's list as a tensor on the device. For a GPU it is built in pinned
+        (page-locked) host memory and copied without waiting: the CPU goes on
+        preparing the step while the copy runs."""
+        if self.device.type != "cuda":
+            return torch.tensor(x, dtype=torch.long, device=self.device)
+        host = torch.tensor(x, dtype=torch.long, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
 
     def _meta(self, seqs, positions, slots, lengths, logits_index) -> StepMeta:
         tables = [self.kv.block_table(s) for s in seqs]
@@ -145,9 +151,9 @@ class ModelRunner:
         history = outputs = None
         if any(p.penalized for p in params):  # only then: the ids seen
             none = torch.empty(0, dtype=torch.long, device=self.device)
-            history = [torch.tensor(s.prompt_ids + s.output_ids, device=self.device)
+            history = [self._tensor(s.prompt_ids + s.output_ids)
                        if s.params.penalized else none for s in seqs]
-            outputs = [torch.tensor(s.output_ids, dtype=torch.long, device=self.device)
+            outputs = [self._tensor(s.output_ids)
                        if s.params.penalized else none for s in seqs]
         ok = torch.isfinite(logits.amax(-1))  # NaN/inf from the model: not drawn from
         zero = torch.zeros((), device=logits.device, dtype=logits.dtype)
@@ -162,8 +168,11 @@ class ModelRunner:
         n, asked = len(seqs), [p.logprobs is not None for p in params]
         extra = (token_logprobs(safe, params, history, outputs, ids, asked)
                  if any(asked) else None)
-        parts = [ids, ok.long()] + ([] if extra is None else [extra.flatten()])
-        both = torch.cat([p.double() for p in parts]).tolist()  # the one device read
+        if extra is None:  # the one device read: ids and flags
+            both = torch.cat([ids, ok.long()]).tolist()
+        else:  # with the log-probabilities: all as float64 (exact for every id)
+            both = torch.cat([ids.double(), ok.double(), extra.flatten().double()]
+                             ).tolist()
         out = [int(t) for t in both[:n]]
         fine = both[n:2 * n]
         if extra is not None:  # each row: its token's log-prob and rank, then top-k

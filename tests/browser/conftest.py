@@ -16,9 +16,6 @@ SITE = Path(os.environ.get("MINILLM_SITE", ROOT / "_build" / "html"))
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu",
                  "--disable-background-networking", "--disable-component-update",
                  "--no-first-run"]
-# The site loads MathJax 3 from a CDN; offline, the test serves the same build from the
-# django-static-mathjax wheel (a test dependency), so formulas render as on the web.
-MATHJAX_CDN = "https://cdn.jsdelivr.net/npm/mathjax@3/"
 
 
 def chromium_path() -> str:
@@ -27,14 +24,6 @@ def chromium_path() -> str:
         pytest.fail(f"no Chromium at {path}: install Debian's package (apt-get install "
                     "chromium; .ci/run does) or set CHROMIUM to its path", pytrace=False)
     return path
-
-
-def mathjax_dir() -> Path | None:
-    try:
-        import mathjax  # the django-static-mathjax wheel: mathjax/static/mathjax/es5/...
-    except ImportError:
-        return None
-    return Path(mathjax.__path__[0]) / "static" / "mathjax"
 
 
 @pytest.fixture(scope="session")
@@ -74,17 +63,10 @@ def browser():
 def context(browser, base_url):
     width = int(os.environ.get("MINILLM_BROWSER_WIDTH", "1280"))  # px; a phone: 400
     ctx = browser.new_context(viewport={"width": width, "height": 900})
-    local_mathjax = mathjax_dir()
-
-    def route(route):
-        url = route.request.url
-        if url.startswith(base_url):
+    def route(route):  # the site is read offline too: it must need nothing else
+        if route.request.url.startswith(base_url):
             return route.continue_()
-        if local_mathjax is not None and url.startswith(MATHJAX_CDN):
-            path = local_mathjax / url[len(MATHJAX_CDN):].split("?")[0]
-            if path.is_file():
-                return route.fulfill(path=str(path))
-        return route.abort()  # nothing leaves the machine
+        return route.abort()  # nothing leaves the machine (MathJax is the site's own)
 
     ctx.route("**/*", route)
     yield ctx

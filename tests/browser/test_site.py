@@ -87,7 +87,28 @@ async () => {
       report(el, `content runs to ${Math.round(r.left + el.scrollWidth)} px`);
     }
   }
+  // code blocks, outputs and tables that hold more than their box shows (a reader
+  // would have to scroll sideways to see the rest)
+  const sideways = [];
+  const boxes = article.querySelectorAll(
+    'pre, table, div.cell_output, div.output, div.pst-scrollable-table-container');
+  for (const el of boxes) {
+    const r = el.getBoundingClientRect();
+    if (r.width <= 1 || r.height <= 1) continue;
+    if (el.scrollWidth > el.clientWidth + 2 &&
+        !sideways.some(s => s.el.contains(el) || el.contains(s.el))) {
+      sideways.push({el, text: `${describe(el)} (${el.scrollWidth} px of content ` +
+                               `in ${el.clientWidth} px)`});
+    }
+  }
+  // formulas: MathJax replaces each \\( ... \\) with its rendering
+  const rawMath = [...article.querySelectorAll('span.math, div.math')]
+    .filter(m => /\\\\[(\\[]/.test(m.textContent)).map(describe);
   return {
+    rawMath: rawMath.slice(0, 10),
+    mathCount: article.querySelectorAll('mjx-container').length,
+    sideways: sideways.map(s => s.text).slice(0, 40),
+    sidewaysCount: sideways.length,
     title: document.title,
     ids: [...document.querySelectorAll('[id]')].map(e => e.id)
          .concat([...document.querySelectorAll('a[name]')].map(e => e.name)),
@@ -119,6 +140,7 @@ class Visits:
                 href = redirect.group(1)
                 self.cache[rel] = {
                     "ids": [], "images": [], "overflow": [], "errors": [], "tracebacks": 0,
+                    "sideways": [], "sidewaysCount": 0, "rawMath": [], "mathCount": 0,
                     "js_errors": [], "pageWidth": 0, "viewport": 0,
                     "links": [{"href": urljoin(self.base_url + rel, href), "raw": href,
                                "text": "redirect"}]}
@@ -185,6 +207,27 @@ def test_nothing_is_wider_than_the_page(rel, visit):
     assert not info["overflow"], ("{}: elements run past the content column (they should "
                                   "scroll inside their own box):\n{}".format(
                                       rel, "\n".join(info["overflow"])))
+
+
+@pytest.mark.parametrize("rel", PAGES)
+def test_no_code_block_or_table_scrolls_sideways(rel, visit):
+    """At 1280 px the column holds about 80 characters of code: every code block,
+    output and table fits it, so nothing hides behind a sideways scroll bar."""
+    info = visit(rel)
+    assert not info["sideways"], "{}: {} blocks scroll sideways:\n{}".format(
+        rel, info["sidewaysCount"], "\n".join(info["sideways"]))
+
+
+@pytest.mark.parametrize("rel", PAGES)
+def test_formulas_render_offline(rel, visit):
+    """MathJax comes from the site itself (the browser reaches nothing else): no
+    formula is left as raw TeX."""
+    info = visit(rel)
+    assert not info["rawMath"], f"{rel}: formulas shown as raw TeX: {info['rawMath']}"
+
+
+def test_the_book_has_formulas(visit):
+    assert sum(visit(f"chapters/{c}.html")["mathCount"] for c in CHAPTERS) > 10
 
 
 @pytest.mark.parametrize("rel", PAGES)
@@ -292,6 +335,9 @@ def test_overflow_check_sees_content_past_the_column(context):
     assert collect(context, cut)["overflow"], "content cut off by overflow:hidden passed"
     scrolls = "<div style='overflow-x: auto'><pre>" + "x" * 300 + "</pre></div>"
     assert collect(context, scrolls)["overflow"] == [], "a scrolling box was reported"
+    assert collect(context, scrolls)["sideways"], "a block that scrolls sideways passed"
+    fits = "<div style='overflow-x: auto'><pre>" + "x" * 20 + "</pre></div>"
+    assert collect(context, fits)["sideways"] == [], "a short line was reported"
 
 
 def test_error_and_image_checks_can_fail(context):
