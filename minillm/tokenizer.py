@@ -210,7 +210,7 @@ class Tokenizer:
         self.byte_fallback, self.unk_token = byte_fallback, unk_token
         self.fuse_unk, self.ignore_merges = fuse_unk, ignore_merges
         self.model_max_length = model_max_length
-        self.chat_template = chat_template  # Jinja2 text (section 13), or None
+        self.chat_template = chat_template  # Jinja2 text (section 15), or None
         for name in (bos_token, eos_token, pad_token, *(prefix_tokens or ()),
                      *suffix_tokens):
             if name is not None and name not in self.special:

@@ -153,3 +153,43 @@ def test_nbval_plugin_writes_the_outputs_into_a_copy(tmp_path):
     assert model_id in state
     printed = [o.get("text") for s in state.values() for o in s["state"].get("outputs", [])]
     assert printed == ["k = 1\n"]
+
+
+def widget_state(**models):
+    return {"application/vnd.jupyter.widget-state+json": {
+        "state": {k: {"model_name": name, "state": state}
+                  for k, (name, state) in models.items()},
+        "version_major": 2, "version_minor": 0}}
+
+
+def widget_output(model_id):
+    return new_output("display_data", data={
+        "application/vnd.jupyter.widget-view+json": {"model_id": model_id,
+                                                     "version_major": 2},
+        "text/plain": "timing:   0%|          | 0/5"})
+
+
+def test_stage_turns_widgets_into_text(book):
+    """A static page has no kernel and no CDN: a tqdm bar becomes its final line, any
+    other widget a note and what its Output widget holds; the widget state goes."""
+    root, done, out = book
+    nb = executed(notebook("x = 1", "print(x)"))
+    nb.metadata.widgets = widget_state(
+        bar=("HBoxModel", {"children": ["IPY_MODEL_l", "IPY_MODEL_p", "IPY_MODEL_r"]}),
+        l=("HTMLModel", {"value": "timing:\u2007100%"}),
+        p=("FloatProgressModel", {"value": 5.0, "max": 5.0}),
+        r=("HTMLModel", {"value": "\u20075/5\u2007[00:01&lt;00:00]"}),
+        box=("VBoxModel", {"children": ["IPY_MODEL_slider", "IPY_MODEL_o"]}),
+        slider=("FloatSliderModel", {"value": 1.0}),
+        o=("OutputModel", {"outputs": [{"output_type": "stream", "name": "stdout",
+                                        "text": "k = 1\n"}]}))
+    nb.cells[1].outputs = [widget_output("bar")]
+    nb.cells[2].outputs = [widget_output("box")]
+    write_executed(done, nb)
+    (staged,) = stage.stage(root, done, out)
+    result = nbformat.read(str(staged), as_version=4)
+    assert [o.text for o in result.cells[1].outputs] == \
+        ["timing: 100%|██████████| 5/5 [00:01<00:00]\n"]
+    assert [o.text for o in result.cells[2].outputs] == [stage.INTERACTIVE + "\n",
+                                                         "k = 1\n"]
+    assert "widgets" not in result.metadata

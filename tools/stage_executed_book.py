@@ -9,8 +9,11 @@ website would show outputs of other code: it stops with an error), then writes a
 for Jupyter Book to --out:
 
 - chapters/*.ipynb: the source notebooks with the outputs of the copies (and what executing
-  adds to a notebook's metadata: language_info, which picks the code highlighting, and the
-  widget state);
+  adds to a notebook's metadata: language_info, which picks the code highlighting). Widgets
+  become text: a static page has no kernel, and their renderer would come from a CDN (the site
+  is read offline too), so each would leave a blank gap. A progress bar becomes its final
+  line ("timing: 100%|██████████| 5/5 [00:01<00:00]"); any other widget shows what its Output
+  widgets hold, after a line that says the widget is interactive in the notebook;
 - _config.yml: the book's, with execute_notebooks "off" (the outputs are there already);
 - everything else at the top of the repository (_toc.yml, book/, data/, ...; not .venv or
   _build): symbolic links into it, so that relative links such as
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import html
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -33,6 +38,79 @@ ROOT = Path(__file__).resolve().parent.parent
 SKIP = {"_build", "__pycache__", "chapters", "_config.yml"}
 EXECUTE_FORCE = "execute_notebooks: force"
 EXECUTE_OFF = 'execute_notebooks: "off"'
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+INTERACTIVE = "(an interactive widget: run the notebook to use it)"
+
+
+def _plain(markup: str) -> str:
+    """The text of a widget's HTML value."""
+    text = html.unescape(re.sub(r"<[^>]+>", "", markup or ""))
+    return re.sub(r"[\u2007\xa0]", " ", text)
+
+
+def _children(state: dict, model_id: str) -> list[str]:
+    model = state.get(model_id, {}).get("state", {})
+    return [c.removeprefix("IPY_MODEL_") for c in model.get("children", [])
+            if isinstance(c, str)]
+
+
+def progress_line(state: dict, model_id: str) -> str | None:
+    """A tqdm bar (HBox of HTML, progress, HTML) as one line of text, or None."""
+    parts = [state.get(c, {}) for c in _children(state, model_id)]
+    names = [p.get("model_name") for p in parts]
+    if state.get(model_id, {}).get("model_name") != "HBoxModel" or names not in (
+            ["HTMLModel", "FloatProgressModel", "HTMLModel"],
+            ["HTMLModel", "IntProgressModel", "HTMLModel"]):
+        return None
+    left, bar, right = (p.get("state", {}) for p in parts)
+    total = bar.get("max") or 0
+    filled = round(10 * (bar.get("value") or 0) / total) if total else 0
+    return (f"{_plain(left.get('value')).rstrip()}|{'█' * filled}{' ' * (10 - filled)}|"
+            f"{_plain(right.get('value')).rstrip()}")
+
+
+def _outputs_inside(state: dict, model_id: str, seen=None) -> list[dict]:
+    """What the Output widgets under model_id hold, in order."""
+    seen = set() if seen is None else seen
+    if model_id in seen:
+        return []
+    seen.add(model_id)
+    model = state.get(model_id, {})
+    if model.get("model_name") == "OutputModel":
+        return list(model.get("state", {}).get("outputs", []))
+    return [o for c in _children(state, model_id) for o in _outputs_inside(state, c, seen)]
+
+
+def widgets_as_text(nb) -> int:
+    """Replace every widget output of nb by text (and what its Output widgets hold);
+    drops the widget state. Returns how many widgets were replaced."""
+    state = (nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}) or {}).get("state", {})
+    replaced = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        outputs = []
+        for out in cell.get("outputs", []):
+            view = out.get("data", {}).get(WIDGET_VIEW) if "data" in out else None
+            if view is None:
+                outputs.append(out)
+                continue
+            replaced += 1
+            model_id = view.get("model_id", "")
+            line = progress_line(state, model_id)
+            if line is None:
+                outputs.append(nbformat.v4.new_output("stream", name="stdout",
+                                                      text=INTERACTIVE + "\n"))
+                outputs += [nbformat.from_dict(o) for o in _outputs_inside(state, model_id)]
+            else:
+                outputs.append(nbformat.v4.new_output("stream", name="stdout",
+                                                      text=line + "\n"))
+        cell.outputs = outputs
+    nb.metadata.pop("widgets", None)
+    return replaced
 
 
 class StaleOutputs(Exception):
@@ -70,6 +148,7 @@ def merge(source_path: Path, executed_path: Path, name: str):
     for key in ("language_info", "widgets"):  # what executing adds to the metadata
         if key in executed.metadata:
             merged.metadata[key] = executed.metadata[key]
+    widgets_as_text(merged)
     return merged
 
 

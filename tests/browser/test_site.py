@@ -105,6 +105,8 @@ async () => {
   const rawMath = [...article.querySelectorAll('span.math, div.math')]
     .filter(m => /\\\\[(\\[]/.test(m.textContent)).map(describe);
   return {
+    widgets: article.querySelectorAll(
+      'script[type="application/vnd.jupyter.widget-view+json"]').length,
     rawMath: rawMath.slice(0, 10),
     mathCount: article.querySelectorAll('mjx-container').length,
     sideways: sideways.map(s => s.text).slice(0, 40),
@@ -141,6 +143,7 @@ class Visits:
                 self.cache[rel] = {
                     "ids": [], "images": [], "overflow": [], "errors": [], "tracebacks": 0,
                     "sideways": [], "sidewaysCount": 0, "rawMath": [], "mathCount": 0,
+                    "widgets": 0,
                     "js_errors": [], "pageWidth": 0, "viewport": 0,
                     "links": [{"href": urljoin(self.base_url + rel, href), "raw": href,
                                "text": "redirect"}]}
@@ -216,6 +219,14 @@ def test_no_code_block_or_table_scrolls_sideways(rel, visit):
     info = visit(rel)
     assert not info["sideways"], "{}: {} blocks scroll sideways:\n{}".format(
         rel, info["sidewaysCount"], "\n".join(info["sideways"]))
+
+
+@pytest.mark.parametrize("rel", PAGES)
+def test_no_widget_leaves_a_gap(rel, visit):
+    """A widget needs a kernel and a renderer from a CDN: on the static site each is a
+    blank gap. The staging turns them into text (tools/stage_executed_book.py)."""
+    info = visit(rel)
+    assert info["widgets"] == 0, f"{rel}: {info['widgets']} widgets, blank on this page"
 
 
 @pytest.mark.parametrize("rel", PAGES)
