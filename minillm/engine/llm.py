@@ -62,8 +62,9 @@ class StepRecord:
     kv_capacity: int               # positions of the whole KV memory
 
 # %% auto #0
-__all__ = ['CompletionOutput', 'RequestOutput', 'StepRecord', 'weights_version', 'LLMEngine', 'request_metrics', 'final_output',
-           'LLM', 'RequestError', 'TextStream']
+__all__ = ['CompletionOutput', 'RequestOutput', 'StepRecord', 'weights_version', 'LLMEngine', 'add_request', 'step', 'abort',
+           'has_unfinished', 'is_finished', 'pop', 'reset_prefix_cache', 'request_metrics', 'final_output', 'LLM',
+           'RequestError', 'TextStream']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43-engine
 def weights_version(model: torch.nn.Module) -> tuple:
@@ -148,219 +149,246 @@ class LLMEngine:
             from minillm.engine.graphs import enable_cuda_graphs
             enable_cuda_graphs(self)
 
-    def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Queue one request (text or token ids). Everything is checked first: a bad
-        request raises ValueError and changes nothing. With params.n > 1 the request
-        has n answers, each with its own random numbers."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: give "
-                                 "LLMEngine(model, tokenizer) or token ids")
-            if not prompt:
-                raise ValueError("the prompt is empty; give some text")
-            prompt = self.tokenizer.encode(prompt)
-        if request_id is None:  # the next number that nobody uses
-            request_id = next(str(i) for i in self._ids if str(i) not in self.groups)
-        if not isinstance(request_id, str) or request_id in self.groups \
-                or request_id in self.group_of:
-            raise ValueError(f"request_id={request_id!r}: give a new, unique string")
-        seq = Sequence.create(self.model, prompt, params, self.tokenizer, request_id,
-                              arrival_time)
-        self._check_fits(seq)
-        seqs = [seq] + [self._answer(seq, i) for i in range(1, seq.params.n)]
-        self.groups[request_id] = seqs
-        for s in seqs:
-            self.requests[s.request_id] = s
-            self.group_of[s.request_id] = request_id
-            self.runner.add(s)
-        forks = (len(seqs) > 1 and hasattr(self.kv, "fork")
-                 and self.scheduler.policy == "continuous")
-        for s in seqs[:1] if forks else seqs:
-            self.scheduler.add(s)
-        if forks:
-            self.held[seq.request_id] = seqs[1:]
-        return request_id
-
-    def _release(self, parent: Sequence) -> None:
-        """Answer 0 has computed the prompt: the other answers start on its blocks
-        (kv.fork, reference counts), or, without a free block, queue up."""
-        for child in self.held.pop(parent.request_id, []):
-            s = self.scheduler
-            if child.is_finished:
-                continue  # aborted while it waited
-            if len(s.running) < s.max_num_seqs and self.kv.fork(parent, child):
-                child.num_computed_tokens = len(child.prompt_ids) - 1
-                child.status = RUNNING
-                s.running.append(child)
-            else:
-                s.waiting.appendleft(child)
-
-    def _answer(self, seq: Sequence, i: int) -> Sequence:
-        """Answer i of an n > 1 request: the same prompt, its own id (vLLM's
-        f"{i}_{request_id}") and, for a seeded request, the seed + i."""
-        seed = seq.params.seed
-        params = seq.params if seed is None else dataclasses.replace(
-            seq.params, seed=(seed + i) % 2**64)
-        child_id = f"{i}_{seq.request_id}"
-        if child_id in self.requests:
-            raise ValueError(f"request_id={seq.request_id!r}: its answer id "
-                             f"{child_id!r} is taken; give another request id")
-        child = Sequence.create(self.model, seq.prompt_ids, params, self.tokenizer,
-                                child_id, seq.arrival_time)
-        child.index = i
-        return child
-
-    def _check_fits(self, seq: Sequence) -> None:
-        if seq.max_positions > self.max_model_len:
-            raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens "
-                             f"({seq.params.max_tokens}) = {seq.max_positions} "
-                             f"exceeds max_model_len={self.max_model_len}")
-        if self.kv.too_long(seq):
-            raise ValueError(self.kv.too_long(seq))
-        budget, s = self.scheduler.max_num_batched_tokens, self.scheduler
-        whole = s.policy == "static" or not s.enable_chunked_prefill  # no chunks
-        if whole and len(seq.prompt_ids) > budget:
-            raise ValueError(f"the prompt has {len(seq.prompt_ids)} tokens; a step "
-                             f"holds at most max_num_batched_tokens={budget} "
-                             "(enable_chunked_prefill=True would cut it in chunks)")
-        if whole and self.kv.grows_per_token and seq.max_positions > budget:
-            raise ValueError(f"prompt + max_tokens = {seq.max_positions} tokens: "
-                             "after a preemption (Chapter 6) they are computed again "
-                             f"in one step; max_num_batched_tokens={budget} is less")
-
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, append a token to every request whose prompt is
-        complete (one in the middle of its prompt gets the next chunk computed).
-        Returns one RequestOutput per request that moved: what this step added."""
-        if self.kv.prefix_caching and self.scheduler.waiting:  # only admission looks
-            version = weights_version(self.model)  # up cached blocks (Chapter 6)
-            if version != self._weights:
-                self.reset_prefix_cache()
-                self._weights = version
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        padding = [s.is_finished for s in batch.seqs]  # static batching's old rows
-        start = time.perf_counter()
-        try:
-            new_ids = self.runner.run(batch)
-        except BaseException:
-            self.scheduler.undo(batch)  # nothing half done stays behind
-            raise
-        now = time.perf_counter()
-        outputs: dict[str, RequestOutput] = {}
-        useful = 0
-        for seq, token in zip(batch.seqs, new_ids):  # every request gets its result
-            if token is None:
-                continue  # a padding row, or a prompt with chunks still to compute
-            useful += 1
-            logprobs = None
-            try:
-                if isinstance(token, Exception):
-                    raise token  # its row could not be sampled
-                if isinstance(token, tuple):  # (id, {id: Logprob}): logprobs asked
-                    token, logprobs = token
-                    self._decode_logprobs(logprobs)
-                text = seq.append(token, now, logprobs)
-            except Exception as e:  # this request's own failure: it ends, others go on
-                text, logprobs = seq.fail(f"{type(e).__name__}: {e}", now), None
-            if seq.request_id in self.held:  # its prompt is computed: fork
-                self._release(seq)
-            new = [] if seq.finish_reason == "error" else [token]
-            self._delta(outputs, seq, text, new, logprobs)
-            if seq.is_finished:
-                self._finished(seq)
-        for rid, out in outputs.items():
-            out.finished = all(s.is_finished for s in self.groups[rid])
-        self._record(batch, start, now, useful, padding)
-        return list(outputs.values())
-
-    def _delta(self, outputs: dict, seq: Sequence, text: str, new: list[int],
-               logprobs: dict | None) -> None:
-        """Add what this step gave `seq` to its request's RequestOutput."""
-        rid = self.group_of[seq.request_id]
-        if rid not in outputs:
-            outputs[rid] = RequestOutput(rid, None, seq.prompt_ids, [], False)
-        outputs[rid].outputs.append(CompletionOutput(
-            seq.index, text, new, seq.cumulative_logprob,
-            None if logprobs is None else [logprobs], seq.finish_reason,
-            seq.stop_reason, seq.error))
-
-    def _decode_logprobs(self, logprobs: dict) -> None:
-        """Each Logprob gets its token's text (vLLM's decoded_token)."""
-        if self.tokenizer is not None:
-            for token, lp in logprobs.items():
-                lp.decoded_token = self.tokenizer.decode([token])
-
-    def abort(self, request_id: str) -> RequestOutput:
-        """Stop a request (all its answers) now and free its memory. Unknown ids
-        raise KeyError."""
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id={request_id!r:.60}: request ids are strings")
-        seqs = self.groups.get(request_id)
-        if seqs is None:
-            raise KeyError(f"no request {request_id!r} (known: "
-                           f"{sorted(self.groups)[:5]}...)")
-        self.held.pop(seqs[0].request_id, None)  # answers that never started
-        outputs = []
-        for seq in seqs:
-            text = ""
-            if not seq.is_finished:
-                text = seq.finish("abort")
-                self._finished(seq)
-            outputs.append(CompletionOutput(seq.index, text, [], seq.cumulative_logprob,
-                                            None, seq.finish_reason, seq.stop_reason,
-                                            seq.error))
-        return RequestOutput(request_id, None, seqs[0].prompt_ids, outputs, True)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (vLLM's name); False if this KV memory keeps none.
-        The engine also does it by itself when the model's weights change."""
-        if not self.kv.prefix_caching:
-            return False
-        self.kv.reset_prefix_cache()
-        return True
-
-    def _finished(self, seq: Sequence) -> None:
-        self.scheduler.finished(seq)
-        self.runner.remove(seq)
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.held)
-
-    def is_finished(self, request_id: str) -> bool:
-        """Have all of the request's answers finished?"""
-        return all(s.is_finished for s in self.groups[request_id])
-
-    def pop(self, request_id: str) -> Sequence | list[Sequence]:
-        """Hand back a finished request (its ids, text, times) and forget it: its
-        Sequence, or with n > 1 the list of its n Sequences (answer 0 first)."""
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id={request_id!r:.60}: request ids are strings")
-        if not self.is_finished(request_id):  # an unknown id: KeyError
-            raise ValueError(f"request {request_id!r} has not finished")
-        seqs = self.groups.pop(request_id)
-        for s in seqs:
-            del self.requests[s.request_id], self.group_of[s.request_id]
-        return seqs[0] if len(seqs) == 1 else seqs
-
     MAX_HISTORY = 100_000  # steps kept in engine.history (the oldest half goes)
 
-    def _record(self, batch, start: float, end: float, useful: int,
-                padding: list[bool]) -> None:
-        seqs = batch.seqs
-        tokens = self.runner.last_tokens  # what the forward computed
-        useful_tokens = sum(n for n, pad in zip(batch.num_new, padding) if not pad)
-        running = self.scheduler.running
-        reserved, capacity = self.kv.usage()
-        if len(self.history) >= self.MAX_HISTORY:  # a long-lived engine stays bounded
-            del self.history[:self.MAX_HISTORY // 2]
-        self.history.append(StepRecord(
-            start, end, batch.is_prefill, len(seqs), useful, tokens,
-            useful_tokens, kv_tokens=sum(s.num_tokens for s in running),
-            kv_reserved=reserved, kv_capacity=capacity))
+# %% ../../chapters/04_continuous_batching.ipynb #c43b-engine
+def add_request(self, prompt, params: SamplingParams | None = None,
+                request_id: str | None = None,
+                arrival_time: float | None = None) -> str:
+    """Queue one request (text or token ids). Everything is checked first: a bad
+    request raises ValueError and changes nothing. With params.n > 1 the request
+    has n answers, each with its own random numbers."""
+    if isinstance(prompt, str):
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer: give "
+                             "LLMEngine(model, tokenizer) or token ids")
+        if not prompt:
+            raise ValueError("the prompt is empty; give some text")
+        prompt = self.tokenizer.encode(prompt)
+    if request_id is None:  # the next number that nobody uses
+        request_id = next(str(i) for i in self._ids if str(i) not in self.groups)
+    if not isinstance(request_id, str) or request_id in self.groups \
+            or request_id in self.group_of:
+        raise ValueError(f"request_id={request_id!r}: give a new, unique string")
+    seq = Sequence.create(self.model, prompt, params, self.tokenizer, request_id,
+                          arrival_time)
+    self._check_fits(seq)
+    seqs = [seq] + [self._answer(seq, i) for i in range(1, seq.params.n)]
+    self.groups[request_id] = seqs
+    for s in seqs:
+        self.requests[s.request_id] = s
+        self.group_of[s.request_id] = request_id
+        self.runner.add(s)
+    forks = (len(seqs) > 1 and hasattr(self.kv, "fork")
+             and self.scheduler.policy == "continuous")
+    for s in seqs[:1] if forks else seqs:
+        self.scheduler.add(s)
+    if forks:
+        self.held[seq.request_id] = seqs[1:]
+    return request_id
+
+
+def _release(self, parent: Sequence) -> None:
+    """Answer 0 has computed the prompt: the other answers start on its blocks
+    (kv.fork, reference counts), or, without a free block, queue up."""
+    for child in self.held.pop(parent.request_id, []):
+        s = self.scheduler
+        if child.is_finished:
+            continue  # aborted while it waited
+        if len(s.running) < s.max_num_seqs and self.kv.fork(parent, child):
+            child.num_computed_tokens = len(child.prompt_ids) - 1
+            child.status = RUNNING
+            s.running.append(child)
+        else:
+            s.waiting.appendleft(child)
+
+
+def _answer(self, seq: Sequence, i: int) -> Sequence:
+    """Answer i of an n > 1 request: the same prompt, its own id (vLLM's
+    f"{i}_{request_id}") and, for a seeded request, the seed + i."""
+    seed = seq.params.seed
+    params = seq.params if seed is None else dataclasses.replace(
+        seq.params, seed=(seed + i) % 2**64)
+    child_id = f"{i}_{seq.request_id}"
+    if child_id in self.requests:
+        raise ValueError(f"request_id={seq.request_id!r}: its answer id "
+                         f"{child_id!r} is taken; give another request id")
+    child = Sequence.create(self.model, seq.prompt_ids, params, self.tokenizer,
+                            child_id, seq.arrival_time)
+    child.index = i
+    return child
+
+
+def _check_fits(self, seq: Sequence) -> None:
+    if seq.max_positions > self.max_model_len:
+        raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens "
+                         f"({seq.params.max_tokens}) = {seq.max_positions} "
+                         f"exceeds max_model_len={self.max_model_len}")
+    if self.kv.too_long(seq):
+        raise ValueError(self.kv.too_long(seq))
+    budget, s = self.scheduler.max_num_batched_tokens, self.scheduler
+    whole = s.policy == "static" or not s.enable_chunked_prefill  # no chunks
+    if whole and len(seq.prompt_ids) > budget:
+        raise ValueError(f"the prompt has {len(seq.prompt_ids)} tokens; a step "
+                         f"holds at most max_num_batched_tokens={budget} "
+                         "(enable_chunked_prefill=True would cut it in chunks)")
+    if whole and self.kv.grows_per_token and seq.max_positions > budget:
+        raise ValueError(f"prompt + max_tokens = {seq.max_positions} tokens: "
+                         "after a preemption (Chapter 6) they are computed again "
+                         f"in one step; max_num_batched_tokens={budget} is less")
+
+
+LLMEngine.add_request, LLMEngine._release = add_request, _release
+LLMEngine._answer, LLMEngine._check_fits = _answer, _check_fits
+
+# %% ../../chapters/04_continuous_batching.ipynb #c43d-engine
+def step(self) -> list[RequestOutput]:
+    """Schedule, run one forward, append a token to every request whose prompt is
+    complete (one in the middle of its prompt gets the next chunk computed).
+    Returns one RequestOutput per request that moved: what this step added."""
+    if self.kv.prefix_caching and self.scheduler.waiting:  # only admission looks
+        version = weights_version(self.model)  # up cached blocks (Chapter 6)
+        if version != self._weights:
+            self.reset_prefix_cache()
+            self._weights = version
+    batch = self.scheduler.schedule()
+    if batch is None:
+        return []
+    padding = [s.is_finished for s in batch.seqs]  # static batching's old rows
+    start = time.perf_counter()
+    try:
+        new_ids = self.runner.run(batch)
+    except BaseException:
+        self.scheduler.undo(batch)  # nothing half done stays behind
+        raise
+    now = time.perf_counter()
+    outputs: dict[str, RequestOutput] = {}
+    useful = 0
+    for seq, token in zip(batch.seqs, new_ids):  # every request gets its result
+        if token is None:
+            continue  # a padding row, or a prompt with chunks still to compute
+        useful += 1
+        logprobs = None
+        try:
+            if isinstance(token, Exception):
+                raise token  # its row could not be sampled
+            if isinstance(token, tuple):  # (id, {id: Logprob}): logprobs asked
+                token, logprobs = token
+                self._decode_logprobs(logprobs)
+            text = seq.append(token, now, logprobs)
+        except Exception as e:  # this request's own failure: it ends, others go on
+            text, logprobs = seq.fail(f"{type(e).__name__}: {e}", now), None
+        if seq.request_id in self.held:  # its prompt is computed: fork
+            self._release(seq)
+        new = [] if seq.finish_reason == "error" else [token]
+        self._delta(outputs, seq, text, new, logprobs)
+        if seq.is_finished:
+            self._finished(seq)
+    for rid, out in outputs.items():
+        out.finished = all(s.is_finished for s in self.groups[rid])
+    self._record(batch, start, now, useful, padding)
+    return list(outputs.values())
+
+
+def _delta(self, outputs: dict, seq: Sequence, text: str, new: list[int],
+           logprobs: dict | None) -> None:
+    """Add what this step gave `seq` to its request's RequestOutput."""
+    rid = self.group_of[seq.request_id]
+    if rid not in outputs:
+        outputs[rid] = RequestOutput(rid, None, seq.prompt_ids, [], False)
+    outputs[rid].outputs.append(CompletionOutput(
+        seq.index, text, new, seq.cumulative_logprob,
+        None if logprobs is None else [logprobs], seq.finish_reason,
+        seq.stop_reason, seq.error))
+
+
+def _decode_logprobs(self, logprobs: dict) -> None:
+    """Each Logprob gets its token's text (vLLM's decoded_token)."""
+    if self.tokenizer is not None:
+        for token, lp in logprobs.items():
+            lp.decoded_token = self.tokenizer.decode([token])
+
+
+def _record(self, batch, start: float, end: float, useful: int,
+            padding: list[bool]) -> None:
+    seqs = batch.seqs
+    tokens = self.runner.last_tokens  # what the forward computed
+    useful_tokens = sum(n for n, pad in zip(batch.num_new, padding) if not pad)
+    running = self.scheduler.running
+    reserved, capacity = self.kv.usage()
+    if len(self.history) >= self.MAX_HISTORY:  # a long-lived engine stays bounded
+        del self.history[:self.MAX_HISTORY // 2]
+    self.history.append(StepRecord(
+        start, end, batch.is_prefill, len(seqs), useful, tokens,
+        useful_tokens, kv_tokens=sum(s.num_tokens for s in running),
+        kv_reserved=reserved, kv_capacity=capacity))
+
+
+LLMEngine.step, LLMEngine._delta = step, _delta
+LLMEngine._decode_logprobs, LLMEngine._record = _decode_logprobs, _record
+
+# %% ../../chapters/04_continuous_batching.ipynb #c43f-engine
+def abort(self, request_id: str) -> RequestOutput:
+    """Stop a request (all its answers) now and free its memory. Unknown ids
+    raise KeyError."""
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id={request_id!r:.60}: request ids are strings")
+    seqs = self.groups.get(request_id)
+    if seqs is None:
+        raise KeyError(f"no request {request_id!r} (known: "
+                       f"{sorted(self.groups)[:5]}...)")
+    self.held.pop(seqs[0].request_id, None)  # answers that never started
+    outputs = []
+    for seq in seqs:
+        text = ""
+        if not seq.is_finished:
+            text = seq.finish("abort")
+            self._finished(seq)
+        outputs.append(CompletionOutput(seq.index, text, [], seq.cumulative_logprob,
+                                        None, seq.finish_reason, seq.stop_reason,
+                                        seq.error))
+    return RequestOutput(request_id, None, seqs[0].prompt_ids, outputs, True)
+
+
+def _finished(self, seq: Sequence) -> None:
+    self.scheduler.finished(seq)
+    self.runner.remove(seq)
+
+
+def has_unfinished(self) -> bool:
+    return self.scheduler.has_unfinished() or bool(self.held)
+
+
+def is_finished(self, request_id: str) -> bool:
+    """Have all of the request's answers finished?"""
+    return all(s.is_finished for s in self.groups[request_id])
+
+
+def pop(self, request_id: str) -> Sequence | list[Sequence]:
+    """Hand back a finished request (its ids, text, times) and forget it: its
+    Sequence, or with n > 1 the list of its n Sequences (answer 0 first)."""
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id={request_id!r:.60}: request ids are strings")
+    if not self.is_finished(request_id):  # an unknown id: KeyError
+        raise ValueError(f"request {request_id!r} has not finished")
+    seqs = self.groups.pop(request_id)
+    for s in seqs:
+        del self.requests[s.request_id], self.group_of[s.request_id]
+    return seqs[0] if len(seqs) == 1 else seqs
+
+
+def reset_prefix_cache(self) -> bool:
+    """Forget the prefix cache (vLLM's name); False if this KV memory keeps none.
+    The engine also does it by itself when the model's weights change."""
+    if not self.kv.prefix_caching:
+        return False
+    self.kv.reset_prefix_cache()
+    return True
+
+
+LLMEngine.abort, LLMEngine._finished = abort, _finished
+LLMEngine.has_unfinished, LLMEngine.is_finished = has_unfinished, is_finished
+LLMEngine.pop, LLMEngine.reset_prefix_cache = pop, reset_prefix_cache
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45-front
 def request_metrics(seqs: Sequence | list[Sequence]) -> dict:

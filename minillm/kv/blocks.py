@@ -60,48 +60,6 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
 
-    # --- prefix hashes ---
-    def block_keys(self, token_ids: list[int]) -> list[tuple[bytes, tuple]]:
-        """(hash, key) per *full* block: key = (the previous block's hash, its token
-        ids), hash = SHA-256 of the key. Equal hashes mean equal prefixes."""
-        out, prev, bs = [], b"", self.block_size
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            tokens = tuple(token_ids[start:start + bs])
-            h = hashlib.sha256(prev + struct.pack(f"<{bs}q", *tokens)).digest()
-            out.append((h, (prev, tokens)))
-            prev = h
-        return out
-
-    def block_hashes(self, token_ids: list[int]) -> list[bytes]:
-        """One hash per *full* block: of its tokens and the previous block's hash."""
-        return [h for h, _ in self.block_keys(token_ids)]
-
-    def cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """The cached blocks this token list starts with. The last token is always
-        left to compute (its logits give the next token), so at most
-        (len - 1) // block_size blocks. A hit counts only if the block's key (the
-        previous hash and the tokens) is the one asked for."""
-        if not self.enable_prefix_caching:
-            return []
-        found = []
-        usable = (len(token_ids) - 1) // self.block_size
-        for h, key in self.block_keys(token_ids)[:usable]:
-            block = self.cached.get(h)
-            if block is None or self.key_of.get(block) != key:
-                break
-            found.append(block)
-        return found
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block (vLLM's name): call it when the model's weights
-        change, so that no request reuses K/V that the old weights computed. Blocks
-        in use stay with their requests, which never share what they computed."""
-        self.cached.clear()
-        self.key_of.clear()
-        self.hash_of = [None] * self.num_blocks
-        self.pending = {}
-        self.unpublished = set(self.tables)
-
     # --- the scheduler's questions ---
     def can_allocate(self, token_ids: list[int]) -> bool:
         """Are there enough free blocks for these tokens (cached blocks count once)?"""
@@ -137,29 +95,6 @@ class BlockManager:
             self.hits += len(shared)
         return self.computed[request_id]
 
-    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple | None:
-        """Parallel sampling (n > 1): another answer to the parent's prompt of
-        num_tokens tokens. The child shares, by reference count, every block of the
-        parent that holds only positions before the last one; the last prompt token
-        it computes itself (its logits give its own first token), into a block of its
-        own. If that block also holds earlier positions, it starts as a copy of the
-        parent's (copy-on-write): returns (parent's block, child's block) for the
-        caller to copy the K/V, else None."""
-        if child_id in self.tables:
-            raise ValueError(f"request {child_id!r} holds blocks already")
-        if self.num_free < 1:
-            raise RuntimeError("no free block to fork into: check num_free first")
-        last = num_tokens - 1  # the position the child computes
-        parent = self.tables[parent_id][:self.blocks_for(num_tokens)]
-        table = [self._take(block) for block in parent[:last // self.block_size]]
-        table.append(self._take(self._evict()))
-        self.tables[child_id] = table
-        self.computed[child_id] = last
-        self.pending[child_id] = []  # the parent names the shared blocks
-        if last % self.block_size == 0:
-            return None  # the child's block starts at its own first position
-        return parent[last // self.block_size], table[-1]
-
     def can_append(self, request_id: str, num_tokens: int) -> bool:
         """Room for the token at position num_tokens - 1 (a new block only when the
         last block is full)?"""
@@ -175,23 +110,6 @@ class BlockManager:
                 and request_id not in self.unpublished):
             h, key = self.block_keys(token_ids)[-1]
             self.pending.setdefault(request_id, []).append((n, table[-1], h, key))
-
-    def publish(self, written: dict[str, int] | None = None) -> None:
-        """The last forward wrote its K/V: its full blocks may now be shared.
-        written: how many first tokens of each request have K/V now (None: all);
-        a block of a prompt computed in chunks waits for its last token."""
-        for request_id, entries in list(self.pending.items()):
-            done = None if written is None else written.get(request_id, 0)
-            later = [e for e in entries if done is not None and e[0] > done]
-            for end, block, h, key in entries:
-                if (done is None or end <= done) and h not in self.cached:
-                    self.cached[h] = block
-                    self.hash_of[block] = h
-                    self.key_of[block] = key
-            if later:
-                self.pending[request_id] = later
-            else:
-                del self.pending[request_id]
 
     def free(self, request_id: str) -> None:
         """Give back a request's blocks (shared ones stay while others use them).
@@ -234,4 +152,101 @@ class BlockManager:
             assert self.hash_of[block] == h, f"block {block} lost its hash"
 
 # %% auto #0
-__all__ = ['check_block_size', 'BlockManager']
+__all__ = ['check_block_size', 'BlockManager', 'block_keys', 'block_hashes', 'cached_prefix', 'publish', 'reset_prefix_cache',
+           'fork']
+
+# %% ../../chapters/06_paged_attention.ipynb #c20b-blocks
+# --- prefix hashes ---
+def block_keys(self, token_ids: list[int]) -> list[tuple[bytes, tuple]]:
+    """(hash, key) per *full* block: key = (the previous block's hash, its token
+    ids), hash = SHA-256 of the key. Equal hashes mean equal prefixes."""
+    out, prev, bs = [], b"", self.block_size
+    for start in range(0, len(token_ids) - bs + 1, bs):
+        tokens = tuple(token_ids[start:start + bs])
+        h = hashlib.sha256(prev + struct.pack(f"<{bs}q", *tokens)).digest()
+        out.append((h, (prev, tokens)))
+        prev = h
+    return out
+
+
+def block_hashes(self, token_ids: list[int]) -> list[bytes]:
+    """One hash per *full* block: of its tokens and the previous block's hash."""
+    return [h for h, _ in self.block_keys(token_ids)]
+
+
+def cached_prefix(self, token_ids: list[int]) -> list[int]:
+    """The cached blocks this token list starts with. The last token is always
+    left to compute (its logits give the next token), so at most
+    (len - 1) // block_size blocks. A hit counts only if the block's key (the
+    previous hash and the tokens) is the one asked for."""
+    if not self.enable_prefix_caching:
+        return []
+    found = []
+    usable = (len(token_ids) - 1) // self.block_size
+    for h, key in self.block_keys(token_ids)[:usable]:
+        block = self.cached.get(h)
+        if block is None or self.key_of.get(block) != key:
+            break
+        found.append(block)
+    return found
+
+
+def publish(self, written: dict[str, int] | None = None) -> None:
+    """The last forward wrote its K/V: its full blocks may now be shared.
+    written: how many first tokens of each request have K/V now (None: all);
+    a block of a prompt computed in chunks waits for its last token."""
+    for request_id, entries in list(self.pending.items()):
+        done = None if written is None else written.get(request_id, 0)
+        later = [e for e in entries if done is not None and e[0] > done]
+        for end, block, h, key in entries:
+            if (done is None or end <= done) and h not in self.cached:
+                self.cached[h] = block
+                self.hash_of[block] = h
+                self.key_of[block] = key
+        if later:
+            self.pending[request_id] = later
+        else:
+            del self.pending[request_id]
+
+
+def reset_prefix_cache(self) -> None:
+    """Forget every cached block (vLLM's name): call it when the model's weights
+    change, so that no request reuses K/V that the old weights computed. Blocks
+    in use stay with their requests, which never share what they computed."""
+    self.cached.clear()
+    self.key_of.clear()
+    self.hash_of = [None] * self.num_blocks
+    self.pending = {}
+    self.unpublished = set(self.tables)
+
+
+BlockManager.block_keys, BlockManager.block_hashes = block_keys, block_hashes
+BlockManager.cached_prefix, BlockManager.publish = cached_prefix, publish
+BlockManager.reset_prefix_cache = reset_prefix_cache
+
+# %% ../../chapters/06_paged_attention.ipynb #c20d-blocks
+def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple | None:
+    """Parallel sampling (n > 1): another answer to the parent's prompt of
+    num_tokens tokens. The child shares, by reference count, every block of the
+    parent that holds only positions before the last one; the last prompt token
+    it computes itself (its logits give its own first token), into a block of its
+    own. If that block also holds earlier positions, it starts as a copy of the
+    parent's (copy-on-write): returns (parent's block, child's block) for the
+    caller to copy the K/V, else None."""
+    if child_id in self.tables:
+        raise ValueError(f"request {child_id!r} holds blocks already")
+    if self.num_free < 1:
+        raise RuntimeError("no free block to fork into: check num_free first")
+    last = num_tokens - 1  # the position the child computes
+    parent = self.tables[parent_id][:self.blocks_for(num_tokens)]
+    table = [self._take(block) for block in parent[:last // self.block_size]]
+    table.append(self._take(self._evict()))
+    self.tables[child_id] = table
+    self.computed[child_id] = last
+    self.pending[child_id] = []  # the parent names the shared blocks
+    if last % self.block_size == 0:
+        return None  # the child's block starts at its own first position
+    return parent[last // self.block_size], table[-1]
+
+
+BlockManager.fork = fork
