@@ -71,109 +71,18 @@ class PagedKVCache(KVCache):
         return cls(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
                    w.dtype, w.device, enable_prefix_caching)
 
-    # --- the scheduler's memory interface (the same calls as chapter 4's slots) ---
     @property
     def num_free(self) -> int:
         return self.blocks.num_free
-
-    def too_long(self, seq: Sequence) -> str | None:
-        """Why a request can never run here (None: it can, when blocks are free)."""
-        need = self.blocks.blocks_for(seq.max_positions)
-        if need > self.num_blocks:
-            return (f"request {seq.request_id!r} may need {seq.max_positions} "
-                    "positions "
-                    f"= {need} blocks of {self.block_size}; the pool has "
-                    f"{self.num_blocks}")
-        return None
-
-    def usage(self) -> tuple[int, int]:
-        """Positions in blocks that running requests hold, and positions in all."""
-        held = self.num_blocks - self.num_free
-        return held * self.block_size, self.num_blocks * self.block_size
-
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks.can_allocate(token_ids(seq))
-
-    def allocate(self, seq: Sequence) -> None:
-        self.blocks.allocate(seq.request_id, token_ids(seq))
-
-    def fork(self, parent: Sequence, child: Sequence) -> bool:
-        """Start `child`, another answer to `parent`'s prompt, on the parent's blocks
-        (BlockManager.fork): only its last prompt token is left to compute. False if
-        no block is free (then it waits and computes its prompt itself)."""
-        if self.num_free < 1:
-            return False
-        copy = self.blocks.fork(parent.request_id, child.request_id,
-                                len(child.prompt_ids))
-        if copy is not None:  # copy-on-write: the partly filled block, every layer
-            bs = self.block_size
-            src, dst = (slice(b * bs, (b + 1) * bs) for b in copy)
-            for layer in self.k + self.v:  # [slots, kv_heads, head_dim]
-                layer[dst] = layer[src]
-        return True
-
-    def cached_tokens(self, seq: Sequence) -> int:
-        """Tokens of the request that the prefix cache holds (before allocate)."""
-        return len(self.blocks.cached_prefix(token_ids(seq))) * self.block_size
-
-    def can_append(self, seq: Sequence) -> bool:
-        return self.blocks.can_append(seq.request_id, seq.num_tokens)
-
-    def append_slot(self, seq: Sequence) -> None:
-        self.blocks.append_slot(seq.request_id, token_ids(seq))
-
-    def free(self, seq: Sequence) -> None:
-        self.blocks.free(seq.request_id)
 
     @property
     def prefix_caching(self) -> bool:
         return self.blocks.enable_prefix_caching
 
-    def reset_prefix_cache(self) -> None:
-        self.blocks.reset_prefix_cache()
-
-    def num_computed(self, seq: Sequence) -> int:
-        """Tokens of the request whose K/V were found in the prefix cache."""
-        return self.blocks.computed.get(seq.request_id, 0)
-
-    # --- what the runner asks ---
+    # --- where a token's K/V live: slot = block * block_size + offset ---
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         table, bs = self.blocks.tables[seq.request_id], self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def block_table(self, seq: Sequence) -> list[int]:
-        return list(self.blocks.tables[seq.request_id])
-
-    def commit(self, seqs: list[Sequence] | None = None) -> None:
-        """The step's forward wrote every layer: the blocks it filled are final, and
-        from now on other requests may share them (prefix caching). seqs: the step's
-        requests, whose num_computed_tokens say how far (None: every block)."""
-        self.blocks.publish(None if seqs is None else
-                            {s.request_id: s.num_computed_tokens for s in seqs})
-
-    # --- attention through block tables ---
-    def gather(self, layer_idx: int, meta: StepMeta):
-        """[B, kv_heads, S, head_dim]: each row's blocks, in table order, as one run of
-        positions. The slots to read are worked out once per forward, and every layer
-        copies its K/V into the same two buffers (a GPU kernel such as vLLM's reads
-        the blocks in place instead)."""
-        table = meta.block_tables
-        S = meta.max_context or table.shape[1] * self.block_size
-        key = ("gather", S)
-        if key not in meta.cache:  # the first layer of the forward
-            table = table[:, :-(-S // self.block_size)]
-            offsets = torch.arange(self.block_size, device=table.device)
-            slots = (table[:, :, None] * self.block_size + offsets).flatten(1)[:, :S]
-            k = self.k[0]
-            buffers = torch.empty((2, slots.numel(), *k.shape[1:]), dtype=k.dtype,
-                                  device=k.device)
-            meta.cache[key] = slots.reshape(-1), buffers
-        slots, (k, v) = meta.cache[key]
-        torch.index_select(self.k[layer_idx], 0, slots, out=k)
-        torch.index_select(self.v[layer_idx], 0, slots, out=v)
-        B = table.shape[0]
-        return (k.view(B, S, *k.shape[1:]).transpose(1, 2),
-                v.view(B, S, *v.shape[1:]).transpose(1, 2))
 
     def __repr__(self) -> str:
         _, h, d = self.k[0].shape
@@ -183,7 +92,127 @@ class PagedKVCache(KVCache):
                 f"{self.nbytes / 2**20:.2f} MiB)")
 
 # %% auto #0
-__all__ = ['token_ids', 'PagedKVCache', 'check_utilization', 'kv_bytes_from_memory', 'profile_kv_bytes', 'paged_cache']
+__all__ = ['token_ids', 'PagedKVCache', 'too_long', 'usage', 'can_allocate', 'allocate', 'fork', 'cached_tokens', 'can_append',
+           'append_slot', 'free', 'reset_prefix_cache', 'num_computed', 'block_table', 'commit', 'gather',
+           'check_utilization', 'kv_bytes_from_memory', 'profile_kv_bytes', 'paged_cache']
+
+# %% ../../chapters/06_paged_attention.ipynb #c30b-paged
+# --- the scheduler's memory interface (the same calls as chapter 4's slots) ---
+def too_long(self, seq: Sequence) -> str | None:
+    """Why a request can never run here (None: it can, when blocks are free)."""
+    need = self.blocks.blocks_for(seq.max_positions)
+    if need > self.num_blocks:
+        return (f"request {seq.request_id!r} may need {seq.max_positions} "
+                "positions "
+                f"= {need} blocks of {self.block_size}; the pool has "
+                f"{self.num_blocks}")
+    return None
+
+
+def usage(self) -> tuple[int, int]:
+    """Positions in blocks that running requests hold, and positions in all."""
+    held = self.num_blocks - self.num_free
+    return held * self.block_size, self.num_blocks * self.block_size
+
+
+def can_allocate(self, seq: Sequence) -> bool:
+    return self.blocks.can_allocate(token_ids(seq))
+
+
+def allocate(self, seq: Sequence) -> None:
+    self.blocks.allocate(seq.request_id, token_ids(seq))
+
+
+def fork(self, parent: Sequence, child: Sequence) -> bool:
+    """Start `child`, another answer to `parent`'s prompt, on the parent's blocks
+    (BlockManager.fork): only its last prompt token is left to compute. False if
+    no block is free (then it waits and computes its prompt itself)."""
+    if self.num_free < 1:
+        return False
+    copy = self.blocks.fork(parent.request_id, child.request_id,
+                            len(child.prompt_ids))
+    if copy is not None:  # copy-on-write: the partly filled block, every layer
+        bs = self.block_size
+        src, dst = (slice(b * bs, (b + 1) * bs) for b in copy)
+        for layer in self.k + self.v:  # [slots, kv_heads, head_dim]
+            layer[dst] = layer[src]
+    return True
+
+
+def cached_tokens(self, seq: Sequence) -> int:
+    """Tokens of the request that the prefix cache holds (before allocate)."""
+    return len(self.blocks.cached_prefix(token_ids(seq))) * self.block_size
+
+
+def can_append(self, seq: Sequence) -> bool:
+    return self.blocks.can_append(seq.request_id, seq.num_tokens)
+
+
+def append_slot(self, seq: Sequence) -> None:
+    self.blocks.append_slot(seq.request_id, token_ids(seq))
+
+
+def free(self, seq: Sequence) -> None:
+    self.blocks.free(seq.request_id)
+
+
+def reset_prefix_cache(self) -> None:
+    self.blocks.reset_prefix_cache()
+
+
+def num_computed(self, seq: Sequence) -> int:
+    """Tokens of the request whose K/V were found in the prefix cache."""
+    return self.blocks.computed.get(seq.request_id, 0)
+
+
+PagedKVCache.too_long, PagedKVCache.usage = too_long, usage
+PagedKVCache.can_allocate, PagedKVCache.allocate = can_allocate, allocate
+PagedKVCache.fork, PagedKVCache.cached_tokens = fork, cached_tokens
+PagedKVCache.can_append, PagedKVCache.append_slot = can_append, append_slot
+PagedKVCache.free, PagedKVCache.reset_prefix_cache = free, reset_prefix_cache
+PagedKVCache.num_computed = num_computed
+
+# %% ../../chapters/06_paged_attention.ipynb #c30d-paged
+# --- what the runner asks ---
+def block_table(self, seq: Sequence) -> list[int]:
+    return list(self.blocks.tables[seq.request_id])
+
+
+def commit(self, seqs: list[Sequence] | None = None) -> None:
+    """The step's forward wrote every layer: the blocks it filled are final, and
+    from now on other requests may share them (prefix caching). seqs: the step's
+    requests, whose num_computed_tokens say how far (None: every block)."""
+    self.blocks.publish(None if seqs is None else
+                        {s.request_id: s.num_computed_tokens for s in seqs})
+
+
+# --- attention through block tables ---
+def gather(self, layer_idx: int, meta: StepMeta):
+    """[B, kv_heads, S, head_dim]: each row's blocks, in table order, as one run of
+    positions. The slots to read are worked out once per forward, and every layer
+    copies its K/V into the same two buffers (a GPU kernel such as vLLM's reads
+    the blocks in place instead)."""
+    table = meta.block_tables
+    S = meta.max_context or table.shape[1] * self.block_size
+    key = ("gather", S)
+    if key not in meta.cache:  # the first layer of the forward
+        table = table[:, :-(-S // self.block_size)]
+        offsets = torch.arange(self.block_size, device=table.device)
+        slots = (table[:, :, None] * self.block_size + offsets).flatten(1)[:, :S]
+        k = self.k[0]
+        buffers = torch.empty((2, slots.numel(), *k.shape[1:]), dtype=k.dtype,
+                              device=k.device)
+        meta.cache[key] = slots.reshape(-1), buffers
+    slots, (k, v) = meta.cache[key]
+    torch.index_select(self.k[layer_idx], 0, slots, out=k)
+    torch.index_select(self.v[layer_idx], 0, slots, out=v)
+    B = table.shape[0]
+    return (k.view(B, S, *k.shape[1:]).transpose(1, 2),
+            v.view(B, S, *v.shape[1:]).transpose(1, 2))
+
+
+PagedKVCache.block_table, PagedKVCache.commit = block_table, commit
+PagedKVCache.gather = gather
 
 # %% ../../chapters/06_paged_attention.ipynb #c37b-memory
 def check_utilization(utilization) -> None:
