@@ -12,7 +12,7 @@ import torch
 from ..model import StepMeta
 from ..utils import synchronize
 
-log = logging.getLogger("minillm")
+_log = logging.getLogger("minillm")
 
 
 def default_buckets(largest: int, smallest: int = 1, factor: int = 2) -> list[int]:
@@ -29,7 +29,7 @@ def default_buckets(largest: int, smallest: int = 1, factor: int = 2) -> list[in
     return out + [largest]
 
 # %% auto #0
-__all__ = ['log', 'default_buckets', 'GraphRunner', 'capture_order', 'capture_all', 'run', 'graph_blockers', 'enable_cuda_graphs',
+__all__ = ['default_buckets', 'GraphRunner', 'capture_order', 'capture_all', 'run', 'graph_blockers', 'enable_cuda_graphs',
            'compile_parts']
 
 # %% ../../chapters/07_performance.ipynb #c42-graphs
@@ -155,7 +155,7 @@ def capture_all(self) -> str:
         self.capture_bytes = max(0, free - torch.cuda.mem_get_info(self.device)[0])
     report = (f"captured {len(self.graphs)} CUDA graphs in "
               f"{self.capture_seconds:.1f} s, {self.capture_bytes / 2**30:.2f} GiB")
-    log.info(report)
+    _log.info(report)
     self.capture_report = report
     return report
 
@@ -233,9 +233,10 @@ def enable_cuda_graphs(engine, buckets: list[int] | None = None,
                          f"{len(buckets) * len(spans)} graphs, more than "
                          f"max_graphs={max_graphs}: give fewer buckets or spans")
     runner = GraphRunner(engine.runner, buckets, spans, capture)
-    if runner.capture and graph_blockers(runner.model):
-        raise ValueError(graph_blockers(runner.model))
     if runner.capture:
+        blocker = graph_blockers(runner.model)
+        if blocker:
+            raise ValueError(blocker)
         runner.capture_all()
     engine.runner = runner
     return runner
