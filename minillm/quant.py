@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .loader import QUANTIZATIONS
+
 # %% auto #0
 __all__ = ['MODES', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'exact_int8_matmul', 'int8_matmul',
            'Int8Int8Linear', 'fbgemm_missing', 'FbgemmLinear', 'is_quantized', 'import_bitsandbytes', 'bnb_missing',
@@ -414,6 +416,10 @@ def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
         setattr(parent, child, layer)
         fill[f"{name}.weight"] = layer.load_float
     return fill
+
+
+for _mode in ("int8", "w8a16", "w8a8"):  # load_model(path, quantization=...)
+    QUANTIZATIONS[_mode] = int8_layers_on_meta
 
 # %% ../chapters/05_int8.ipynb #s10-absmax
 @torch.no_grad()

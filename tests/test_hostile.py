@@ -17,7 +17,7 @@ import minillm.engine.runner as runner_module
 from helpers import greedy
 from minillm.engine import LLM, LLMEngine
 from minillm.engine.llm import RequestError
-from minillm.model import load_model
+from minillm.loader import load_model
 from minillm.quant import quantize
 from minillm.tokenizer import Tokenizer
 

@@ -8,7 +8,8 @@ import torch
 from minillm.kv.contiguous import KVCache
 from minillm.generate import generate, generate_tokens, stream, watch_input_lengths
 from minillm.memory import kv_cache_bytes
-from minillm.model import StepMeta, load_model
+from minillm.loader import load_model
+from minillm.model import StepMeta
 from minillm.naive import naive_generate
 from minillm.sampling import SamplingParams
 
@@ -408,3 +409,18 @@ def test_grouped_query_attention_never_copies_k_and_v(llama, kv_cache, monkeypat
         engine.step()
     monkeypatch.undo()
     assert calls and all(h == kv and not gqa for h, kv, gqa in calls), calls
+
+
+def test_a_request_longer_than_a_slot_is_refused_with_both_lengths():
+    """The slots backend's message names the row's length (it once printed a literal
+    '{self.max_seq_len}')."""
+    from minillm.kv.slots import SlotKVCache
+    from minillm.sequence import Sequence
+    from minillm.utils import bundled_model_path
+    model = load_model(bundled_model_path())
+    kv = SlotKVCache.from_model(model, max_num_seqs=2, max_seq_len=16)
+    seq = Sequence.create(model, [1] * 10, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match=r"needs 30 positions; a row holds 16$"):
+        kv.allocate(seq)
+    assert kv.too_long(seq).endswith("a row holds 16")
+    assert kv.free_rows == [0, 1] and not kv.row_of  # nothing taken

@@ -20,7 +20,8 @@ from minillm.engine.scheduler import Scheduler
 from minillm.kv.base import KVBackend
 from minillm.kv.paged import PagedKVCache
 from minillm.kv.slots import SlotKVCache
-from minillm.model import StepMeta, load_model
+from minillm.loader import load_model
+from minillm.model import StepMeta
 from minillm.sampling import SamplingParams
 from minillm.utils import bundled_model_path
 
@@ -39,7 +40,8 @@ def imported_modules(path: Path) -> set[str]:
                 name = ".".join(base + ((node.module,) if node.module else ()))
             else:
                 name = node.module or ""
-            out.add(name)
+            out.add(name)  # and `from minillm import quant`: the module minillm.quant
+            out |= {f"{name}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
     return {m for m in out if m == "minillm" or m.startswith("minillm.")}
@@ -196,3 +198,52 @@ def test_write_csvs_writes_all_or_nothing(tmp_path):
     with open(paths[0], newline="") as f:
         assert list(csv.reader(f)) == [["a", "b"], ["1", "2"]]
     assert oct(paths[0].stat().st_mode & 0o777) == "0o644"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """minillm's modules and the minillm modules each one imports, imports inside
+    functions included (the package's own __init__ left out: it imports on purpose)."""
+    mods = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
+            .removesuffix(".__init__"): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in mods.items():
+        out = set()
+        for m in imported_modules(path):
+            while m and m not in mods:  # `from minillm.kv import paged` -> minillm.kv
+                m = m.rpartition(".")[0]
+            if m and m not in (name, "minillm"):
+                out.add(m)
+        graph[name] = out
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle, each once, as the path a -> ... -> a."""
+    found, seen = [], set()
+
+    def walk(node, path):
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == path[0]:
+                key = frozenset(path)
+                if key not in seen:
+                    seen.add(key)
+                    found.append(path + [nxt])
+            elif nxt not in path and nxt > path[0]:  # each cycle from its smallest
+                walk(nxt, path + [nxt])
+    for start in sorted(graph):
+        walk(start, [start])
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_in_minillm():
+    found = cycles(module_graph())
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_tokenizer_imports_nothing_else_of_ours():
+    assert module_graph()["minillm.tokenizer"] == set()

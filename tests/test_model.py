@@ -8,7 +8,9 @@ import torch
 import transformers
 
 from helpers import FAMILIES, TINY, make_hf_model
-from minillm.model import ModelConfig, StepMeta, Transformer, load_model
+from minillm.config import ModelConfig
+from minillm.loader import load_model
+from minillm.model import StepMeta, Transformer
 
 torch.set_num_threads(1)
 
@@ -438,7 +440,7 @@ def test_bf16_is_asked_of_the_given_gpu_without_emulation(monkeypatch):
     the current GPU. cuda_bf16 asks `device`, natively only."""
     import contextlib
 
-    from minillm import model as mm
+    from minillm import loader as mm
     asked = []
 
     @contextlib.contextmanager

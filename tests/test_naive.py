@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from helpers import hf_greedy, make_model_pair
-from minillm.model import load_model
+from minillm.loader import load_model
 from minillm.naive import naive_generate
 from minillm.sampling import NonFiniteLogitsError, SamplingParams
 from minillm import timing

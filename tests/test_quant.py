@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from minillm.engine import LLM
 from minillm.generate import generate
-from minillm.model import load_model
+from minillm.loader import load_model
 from minillm.quant import (FbgemmLinear, Int8Int8Linear, Int8Linear, absmax_quantize,
                            activation_absmax, bnb_missing, dequantize, exact_int8_matmul,
                            fbgemm_missing, gguf_quantize, gguf_round_trip,

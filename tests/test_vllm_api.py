@@ -13,7 +13,7 @@ import torch
 from minillm.engine.llm import LLM, CompletionOutput, LLMEngine, RequestOutput
 from minillm.kv.blocks import BlockManager
 from minillm.kv.paged import PagedKVCache
-from minillm.model import load_model
+from minillm.loader import load_model
 from minillm.sampling import (SamplingParams, apply_presence_frequency,
                               apply_repetition_penalty)
 from minillm.sequence import Logprob, Sequence
@@ -352,3 +352,22 @@ def test_an_llm_seed_makes_unseeded_requests_repeat(bundled):
 def test_a_stream_is_one_answer(bundled):
     with pytest.raises(ValueError, match="n=2"):
         LLM(*bundled).stream("ROMEO:\n", SamplingParams(n=2))
+
+
+def test_a_seeded_llm_draws_the_same_tokens_with_cuda_graphs_on(bundled):
+    """LLM(seed=7, cuda_graphs=True) once drew other tokens than LLM(seed=7), on a CPU
+    too: the seed went to a wrapper, not to the runner that samples."""
+    model, tok = bundled
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompts = [PROMPT, "JULIET:"]
+
+    def ids(**kw):
+        llm = LLM(model, tok, seed=7, max_num_seqs=2, **kw)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                              use_tqdm=False)]
+    eager = ids()
+    assert ids(cuda_graphs=True) == eager
+    assert ids() == eager  # the same seed, the same tokens
+    other = LLM(model, tok, seed=8, max_num_seqs=2)
+    assert [o.outputs[0].token_ids for o in other.generate(prompts, params,
+                                                           use_tqdm=False)] != eager

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from .runner import ModelRunner
 from ..model import StepMeta
 from ..utils import synchronize
 
@@ -29,18 +30,16 @@ def default_buckets(largest: int, smallest: int = 1, factor: int = 2) -> list[in
     return out + [largest]
 
 # %% auto #0
-__all__ = ['default_buckets', 'GraphRunner', 'capture_order', 'capture_all', 'run', 'graph_blockers', 'enable_cuda_graphs',
-           'compile_parts']
+__all__ = ['default_buckets', 'GraphRunner', 'graph_blockers', 'enable_cuda_graphs', 'compile_parts']
 
 # %% ../../chapters/07_performance.ipynb #c42-graphs
-class GraphRunner:
-    """Decode steps through one CUDA graph per (batch size, attention span) bucket;
-    everything else through the wrapped runner (chapter 4's, on either backend)."""
+class GraphRunner(ModelRunner):
+    """Chapter 4's runner (on either backend), whose decode steps go through one
+    CUDA graph per (batch size, attention span) bucket."""
 
-    def __init__(self, runner, buckets: list[int], spans: list[int],
+    def __init__(self, model, kv, buckets: list[int], spans: list[int],
                  capture: bool | None = None):
-        self.runner, self.kv, self.model = runner, runner.kv, runner.model
-        self.device = runner.device
+        super().__init__(model, kv)
         for name, xs in [("buckets", buckets), ("spans", spans)]:
             ints = all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
             if not xs or not ints or sorted(set(xs)) != list(xs) or xs[0] < 1:
@@ -57,9 +56,6 @@ class GraphRunner:
         self.replays = 0                      # of them, replayed graphs
         self.capture_seconds, self.capture_bytes = 0.0, 0
         self.capture_report: str | None = None  # what capture_all took
-
-    def __getattr__(self, name):              # add, remove, generators, ...
-        return getattr(self.runner, name)
 
     def key(self, batch_size: int, context: int) -> tuple[int, int] | None:
         """The smallest (bucket, span) that holds the step; None: run it eagerly."""
@@ -124,13 +120,13 @@ def _capture(self, key: tuple[int, int]) -> None:
     self.static[key], self.graphs[key] = (ids, meta, logits), graph
 
 
-def capture_order(self) -> list[tuple[int, int]]:
+def _capture_order(self) -> list[tuple[int, int]]:
     """Every (bucket, span), the largest first (the others reuse its memory)."""
     return sorted(((b, s) for b in self.buckets for s in self.spans), reverse=True)
 
 
 @torch.inference_mode()
-def capture_all(self) -> str:
+def _capture_all(self) -> str:
     """Record every bucket now; returns (and logs) what it took."""
     cuda = self.device.type == "cuda"
     synchronize(self.device)
@@ -160,19 +156,19 @@ def capture_all(self) -> str:
     return report
 
 
-GraphRunner._capture, GraphRunner.capture_order = _capture, capture_order
-GraphRunner.capture_all = capture_all
+GraphRunner._capture, GraphRunner.capture_order = _capture, _capture_order
+GraphRunner.capture_all = _capture_all
 
 # %% ../../chapters/07_performance.ipynb #c45-graphs
 @torch.inference_mode()
-def run(self, batch) -> list:
+def _run(self, batch) -> list:
     """One engine step: decode through its bucket's graph, the rest eagerly."""
     seqs = batch.seqs
     key = (None if batch.is_prefill
            else self.key(len(seqs), max(s.num_tokens for s in seqs)))
     if key is None:                            # prefill, too many rows, too long
-        return self.runner.run(batch)
-    new_ids, new_meta = self.runner.prepare_decode(seqs)
+        return ModelRunner.run(self, batch)
+    new_ids, new_meta = self.prepare_decode(seqs)
     self.used[key] += 1
     if self.capture:                           # recorded up front (capture_all)
         ids, meta, logits = self.static[key]
@@ -185,11 +181,11 @@ def run(self, batch) -> list:
         ids, meta, _ = self.static[key]
         self._fill(ids, meta, new_ids, new_meta)
         logits = _forward(self, ids, meta)
-    self.runner.last_tokens = len(seqs)
-    return self.runner.finish_step(batch, logits[:len(seqs), -1])  # sample, commit
+    self.last_tokens = len(seqs)
+    return self.finish_step(batch, logits[:len(seqs), -1])  # sample, commit
 
 
-GraphRunner.run = run
+GraphRunner.run = _run
 
 # %% ../../chapters/07_performance.ipynb #c46-graphs
 def graph_blockers(model) -> str | None:
@@ -232,7 +228,10 @@ def enable_cuda_graphs(engine, buckets: list[int] | None = None,
         raise ValueError(f"{len(buckets)} batch buckets x {len(spans)} spans = "
                          f"{len(buckets) * len(spans)} graphs, more than "
                          f"max_graphs={max_graphs}: give fewer buckets or spans")
-    runner = GraphRunner(engine.runner, buckets, spans, capture)
+    old = engine.runner
+    runner = GraphRunner(old.model, old.kv, buckets, spans, capture)
+    runner.generators = old.generators  # requests added already keep theirs
+    runner.default_generator = old.default_generator
     if runner.capture:
         blocker = graph_blockers(runner.model)
         if blocker:

@@ -62,15 +62,15 @@ class StepRecord:
     kv_capacity: int               # positions of the whole KV memory
 
 # %% auto #0
-__all__ = ['CompletionOutput', 'RequestOutput', 'StepRecord', 'weights_version', 'LLMEngine', 'add_request', 'step', 'abort',
-           'has_unfinished', 'is_finished', 'pop', 'reset_prefix_cache', 'request_metrics', 'final_output', 'LLM',
-           'RequestError', 'TextStream']
+__all__ = ['CompletionOutput', 'RequestOutput', 'StepRecord', 'weights_version', 'LLMEngine', 'request_metrics', 'final_output',
+           'LLM', 'RequestError', 'TextStream']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43-engine
 def weights_version(model: torch.nn.Module) -> tuple:
     """Changes when a weight of `model` is replaced (quantize) or changed in place under
-    no_grad (load_state_dict, an edit): K/V cached before that are stale. (An edit
-    through `.data` is not seen: call reset_prefix_cache() after one.)"""
+    no_grad (load_state_dict, an edit): K/V cached before that are stale. The engine
+    looks as each request arrives (an edit through `.data`, or one made while
+    requests wait, is not seen: call reset_prefix_cache() after one)."""
     return tuple((id(t), t.data_ptr(), t._version)
                  for t in itertools.chain(model.parameters(), model.buffers()))
 
@@ -87,7 +87,7 @@ class LLMEngine:
         from minillm.model import Transformer
         if not isinstance(model, Transformer):
             raise ValueError(f"model={model!r:.60} is not a minillm Transformer: load "
-                             "one with minillm.model.load_model(path), or give LLM a "
+                             "one with minillm.loader.load_model(path), or give LLM a "
                              "folder")
         methods = [callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")]
         if tokenizer is not None and not all(methods):
@@ -152,7 +152,7 @@ class LLMEngine:
     MAX_HISTORY = 100_000  # steps kept in engine.history (the oldest half goes)
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43b-engine
-def add_request(self, prompt, params: SamplingParams | None = None,
+def _add_request(self, prompt, params: SamplingParams | None = None,
                 request_id: str | None = None,
                 arrival_time: float | None = None) -> str:
     """Queue one request (text or token ids). Everything is checked first: a bad
@@ -173,6 +173,11 @@ def add_request(self, prompt, params: SamplingParams | None = None,
     seq = Sequence.create(self.model, prompt, params, self.tokenizer, request_id,
                           arrival_time)
     self._check_fits(seq)
+    if self.kv.prefix_caching:  # K/V cached before the weights changed are stale
+        version = weights_version(self.model)  # (quantize, load_state_dict, ...)
+        if version != self._weights:
+            self.reset_prefix_cache()
+            self._weights = version
     seqs = [seq] + [self._answer(seq, i) for i in range(1, seq.params.n)]
     self.groups[request_id] = seqs
     for s in seqs:
@@ -238,11 +243,11 @@ def _check_fits(self, seq: Sequence) -> None:
                          f"in one step; max_num_batched_tokens={budget} is less")
 
 
-LLMEngine.add_request, LLMEngine._release = add_request, _release
+LLMEngine.add_request, LLMEngine._release = _add_request, _release
 LLMEngine._answer, LLMEngine._check_fits = _answer, _check_fits
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43d-engine
-def step(self) -> list[RequestOutput]:
+def _step(self) -> list[RequestOutput]:
     """Schedule, run one forward, append a token to every request whose prompt is
     complete (one in the middle of its prompt gets the next chunk computed).
     Returns one RequestOutput per request that moved: what this step added."""
@@ -324,11 +329,11 @@ def _record(self, batch, start: float, end: float, useful: int,
         kv_reserved=reserved, kv_capacity=capacity))
 
 
-LLMEngine.step, LLMEngine._delta = step, _delta
+LLMEngine.step, LLMEngine._delta = _step, _delta
 LLMEngine._decode_logprobs, LLMEngine._record = _decode_logprobs, _record
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43f-engine
-def abort(self, request_id: str) -> RequestOutput:
+def _abort(self, request_id: str) -> RequestOutput:
     """Stop a request (all its answers) now and free its memory. Unknown ids
     raise KeyError."""
     if not isinstance(request_id, str):
@@ -355,16 +360,16 @@ def _finished(self, seq: Sequence) -> None:
     self.runner.remove(seq)
 
 
-def has_unfinished(self) -> bool:
+def _has_unfinished(self) -> bool:
     return self.scheduler.has_unfinished() or bool(self.held)
 
 
-def is_finished(self, request_id: str) -> bool:
+def _is_finished(self, request_id: str) -> bool:
     """Have all of the request's answers finished?"""
     return all(s.is_finished for s in self.groups[request_id])
 
 
-def pop(self, request_id: str) -> Sequence | list[Sequence]:
+def _pop(self, request_id: str) -> Sequence | list[Sequence]:
     """Hand back a finished request (its ids, text, times) and forget it: its
     Sequence, or with n > 1 the list of its n Sequences (answer 0 first)."""
     if not isinstance(request_id, str):
@@ -377,7 +382,7 @@ def pop(self, request_id: str) -> Sequence | list[Sequence]:
     return seqs[0] if len(seqs) == 1 else seqs
 
 
-def reset_prefix_cache(self) -> bool:
+def _reset_prefix_cache(self) -> bool:
     """Forget the prefix cache (vLLM's name); False if this KV memory keeps none.
     The engine also does it by itself when the model's weights change."""
     if not self.kv.prefix_caching:
@@ -386,9 +391,9 @@ def reset_prefix_cache(self) -> bool:
     return True
 
 
-LLMEngine.abort, LLMEngine._finished = abort, _finished
-LLMEngine.has_unfinished, LLMEngine.is_finished = has_unfinished, is_finished
-LLMEngine.pop, LLMEngine.reset_prefix_cache = pop, reset_prefix_cache
+LLMEngine.abort, LLMEngine._finished = _abort, _finished
+LLMEngine.has_unfinished, LLMEngine.is_finished = _has_unfinished, _is_finished
+LLMEngine.pop, LLMEngine.reset_prefix_cache = _pop, _reset_prefix_cache
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45-front
 def request_metrics(seqs: Sequence | list[Sequence]) -> dict:
@@ -455,7 +460,8 @@ class LLM:
                                  or not 0 <= seed < 2**64):
             raise ValueError(f"seed={seed!r}: None or an int in [0, 2**64)")
         if not isinstance(model, torch.nn.Module):  # a folder or a Hub name
-            from minillm.model import load_model, resolve_folder
+            from minillm.loader import load_model
+            from minillm.sources import resolve_folder
             from minillm.tokenizer import Tokenizer
             path = resolve_folder(model)  # a folder, a .gguf file or a Hub name
             model = load_model(path, dtype=dtype, device=device,
@@ -602,4 +608,3 @@ class TextStream:
             self.close()
         except Exception:
             pass  # at interpreter exit the engine may be gone already
-

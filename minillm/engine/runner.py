@@ -64,8 +64,9 @@ class ModelRunner:
         request's last new token."""
         ids, positions, slots, starts, lens = [], [], [], [0], []
         for s, n in zip(seqs, num_new):
-            c, tokens = s.num_computed_tokens, s.prompt_ids + s.output_ids
-            ids += tokens[c:c + n]
+            c, p = s.num_computed_tokens, len(s.prompt_ids)  # tokens c .. c+n-1,
+            ids += s.prompt_ids[c:c + n]                       # no joined copy
+            ids += s.output_ids[max(0, c - p):max(0, c + n - p)]
             positions += range(c, c + n)
             slots += self.kv.slots(s, c, c + n)
             starts.append(starts[-1] + n)

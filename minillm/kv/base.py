@@ -8,6 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .contiguous import cached_attention
 from ..model import StepMeta
 from ..sequence import Sequence
 
@@ -51,9 +52,8 @@ class KVBackend(Protocol):
         """The step's forward has written the K/V of `seqs` (their
         num_computed_tokens say how far)."""
 
-
 # %% auto #0
-__all__ = ['KVBackend', 'packed_groups', 'packed_attention']
+__all__ = ['KVBackend', 'packed_groups', 'packed_attention', 'PackedSteps']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31a-packed
 def packed_groups(meta: StepMeta) -> list[tuple[torch.Tensor | slice, StepMeta]]:
@@ -87,7 +87,6 @@ def packed_attention(kv, layer_idx: int, q: torch.Tensor,
                      meta: StepMeta) -> torch.Tensor:
     """Attention of a packed step, q [1, heads, T, d]: every request attends over
     its own positions only, causally, through the backend's `gather`."""
-    from minillm.kv.contiguous import cached_attention
     out = torch.empty_like(q)
     for where, rows in packed_groups(meta):
         k_all, v_all = kv.gather(layer_idx, rows)
@@ -98,3 +97,14 @@ def packed_attention(kv, layer_idx: int, q: torch.Tensor,
             att = cached_attention(one, k_all, v_all, rows)
             out[0, :, where] = att[:, :, 0].transpose(0, 1)
     return out
+
+
+class PackedSteps:
+    """Mixed into a backend of the engine (before KVCache): a packed step's
+    attention is each request's over its own positions; otherwise chapter 3's."""
+
+    def attention(self, layer_idx: int, q: torch.Tensor,
+                  meta: StepMeta) -> torch.Tensor:
+        if meta.query_start_loc is None:
+            return super().attention(layer_idx, q, meta)
+        return packed_attention(self, layer_idx, q, meta)

@@ -152,12 +152,11 @@ class BlockManager:
             assert self.hash_of[block] == h, f"block {block} lost its hash"
 
 # %% auto #0
-__all__ = ['check_block_size', 'BlockManager', 'block_keys', 'block_hashes', 'cached_prefix', 'publish', 'reset_prefix_cache',
-           'fork']
+__all__ = ['check_block_size', 'BlockManager']
 
 # %% ../../chapters/06_paged_attention.ipynb #c20b-blocks
 # --- prefix hashes ---
-def block_keys(self, token_ids: list[int]) -> list[tuple[bytes, tuple]]:
+def _block_keys(self, token_ids: list[int]) -> list[tuple[bytes, tuple]]:
     """(hash, key) per *full* block: key = (the previous block's hash, its token
     ids), hash = SHA-256 of the key. Equal hashes mean equal prefixes."""
     out, prev, bs = [], b"", self.block_size
@@ -169,12 +168,12 @@ def block_keys(self, token_ids: list[int]) -> list[tuple[bytes, tuple]]:
     return out
 
 
-def block_hashes(self, token_ids: list[int]) -> list[bytes]:
+def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
     """One hash per *full* block: of its tokens and the previous block's hash."""
     return [h for h, _ in self.block_keys(token_ids)]
 
 
-def cached_prefix(self, token_ids: list[int]) -> list[int]:
+def _cached_prefix(self, token_ids: list[int]) -> list[int]:
     """The cached blocks this token list starts with. The last token is always
     left to compute (its logits give the next token), so at most
     (len - 1) // block_size blocks. A hit counts only if the block's key (the
@@ -191,7 +190,7 @@ def cached_prefix(self, token_ids: list[int]) -> list[int]:
     return found
 
 
-def publish(self, written: dict[str, int] | None = None) -> None:
+def _publish(self, written: dict[str, int] | None = None) -> None:
     """The last forward wrote its K/V: its full blocks may now be shared.
     written: how many first tokens of each request have K/V now (None: all);
     a block of a prompt computed in chunks waits for its last token."""
@@ -209,7 +208,7 @@ def publish(self, written: dict[str, int] | None = None) -> None:
             del self.pending[request_id]
 
 
-def reset_prefix_cache(self) -> None:
+def _reset_prefix_cache(self) -> None:
     """Forget every cached block (vLLM's name): call it when the model's weights
     change, so that no request reuses K/V that the old weights computed. Blocks
     in use stay with their requests, which never share what they computed."""
@@ -220,12 +219,12 @@ def reset_prefix_cache(self) -> None:
     self.unpublished = set(self.tables)
 
 
-BlockManager.block_keys, BlockManager.block_hashes = block_keys, block_hashes
-BlockManager.cached_prefix, BlockManager.publish = cached_prefix, publish
-BlockManager.reset_prefix_cache = reset_prefix_cache
+BlockManager.block_keys, BlockManager.block_hashes = _block_keys, _block_hashes
+BlockManager.cached_prefix, BlockManager.publish = _cached_prefix, _publish
+BlockManager.reset_prefix_cache = _reset_prefix_cache
 
 # %% ../../chapters/06_paged_attention.ipynb #c20d-blocks
-def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple | None:
+def _fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple | None:
     """Parallel sampling (n > 1): another answer to the parent's prompt of
     num_tokens tokens. The child shares, by reference count, every block of the
     parent that holds only positions before the last one; the last prompt token
@@ -249,4 +248,4 @@ def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple | None:
     return parent[last // self.block_size], table[-1]
 
 
-BlockManager.fork = fork
+BlockManager.fork = _fork

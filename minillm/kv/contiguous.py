@@ -181,9 +181,11 @@ class KVCache:
         self.store(layer_idx, k, v, meta.slot_mapping)
         if layer_idx == len(self.k) - 1:
             meta.cache["written"] = True  # a StepMeta serves one forward
-        if meta.query_start_loc is not None:  # Chapter 4's packed steps
-            from minillm.kv.base import packed_attention
-            return packed_attention(self, layer_idx, q, meta)
+        return self.attention(layer_idx, q, meta)
+
+    def attention(self, layer_idx: int, q: torch.Tensor,
+                  meta: StepMeta) -> torch.Tensor:
+        """q over this layer's cached K and V, up to each row's length."""
         k_all, v_all = self.gather(layer_idx, meta)
         return cached_attention(q, k_all, v_all, meta)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .base import PackedSteps
 from .blocks import BlockManager, check_block_size
 from .contiguous import KVCache, KVMemoryError, check_kv_fits
 from ..model import StepMeta
@@ -16,7 +17,7 @@ def token_ids(seq: Sequence) -> list[int]:
     return seq.prompt_ids + seq.output_ids
 
 
-class PagedKVCache(KVCache):
+class PagedKVCache(PackedSteps, KVCache):
     """Chapter 6's KV backend: K and V in blocks of `block_size` tokens.
 
     The storage is chapter 3's, with rows of block_size positions: one row per block,
@@ -92,13 +93,11 @@ class PagedKVCache(KVCache):
                 f"{self.nbytes / 2**20:.2f} MiB)")
 
 # %% auto #0
-__all__ = ['token_ids', 'PagedKVCache', 'too_long', 'usage', 'can_allocate', 'allocate', 'fork', 'cached_tokens', 'can_append',
-           'append_slot', 'free', 'reset_prefix_cache', 'num_computed', 'block_table', 'commit', 'gather',
-           'check_utilization', 'kv_bytes_from_memory', 'profile_kv_bytes', 'paged_cache']
+__all__ = ['token_ids', 'PagedKVCache', 'check_utilization', 'kv_bytes_from_memory', 'profile_kv_bytes', 'paged_cache']
 
 # %% ../../chapters/06_paged_attention.ipynb #c30b-paged
 # --- the scheduler's memory interface (the same calls as chapter 4's slots) ---
-def too_long(self, seq: Sequence) -> str | None:
+def _too_long(self, seq: Sequence) -> str | None:
     """Why a request can never run here (None: it can, when blocks are free)."""
     need = self.blocks.blocks_for(seq.max_positions)
     if need > self.num_blocks:
@@ -109,21 +108,21 @@ def too_long(self, seq: Sequence) -> str | None:
     return None
 
 
-def usage(self) -> tuple[int, int]:
+def _usage(self) -> tuple[int, int]:
     """Positions in blocks that running requests hold, and positions in all."""
     held = self.num_blocks - self.num_free
     return held * self.block_size, self.num_blocks * self.block_size
 
 
-def can_allocate(self, seq: Sequence) -> bool:
+def _can_allocate(self, seq: Sequence) -> bool:
     return self.blocks.can_allocate(token_ids(seq))
 
 
-def allocate(self, seq: Sequence) -> None:
+def _allocate(self, seq: Sequence) -> None:
     self.blocks.allocate(seq.request_id, token_ids(seq))
 
 
-def fork(self, parent: Sequence, child: Sequence) -> bool:
+def _fork(self, parent: Sequence, child: Sequence) -> bool:
     """Start `child`, another answer to `parent`'s prompt, on the parent's blocks
     (BlockManager.fork): only its last prompt token is left to compute. False if
     no block is free (then it waits and computes its prompt itself)."""
@@ -139,46 +138,46 @@ def fork(self, parent: Sequence, child: Sequence) -> bool:
     return True
 
 
-def cached_tokens(self, seq: Sequence) -> int:
+def _cached_tokens(self, seq: Sequence) -> int:
     """Tokens of the request that the prefix cache holds (before allocate)."""
     return len(self.blocks.cached_prefix(token_ids(seq))) * self.block_size
 
 
-def can_append(self, seq: Sequence) -> bool:
+def _can_append(self, seq: Sequence) -> bool:
     return self.blocks.can_append(seq.request_id, seq.num_tokens)
 
 
-def append_slot(self, seq: Sequence) -> None:
+def _append_slot(self, seq: Sequence) -> None:
     self.blocks.append_slot(seq.request_id, token_ids(seq))
 
 
-def free(self, seq: Sequence) -> None:
+def _free(self, seq: Sequence) -> None:
     self.blocks.free(seq.request_id)
 
 
-def reset_prefix_cache(self) -> None:
+def _reset_prefix_cache(self) -> None:
     self.blocks.reset_prefix_cache()
 
 
-def num_computed(self, seq: Sequence) -> int:
+def _num_computed(self, seq: Sequence) -> int:
     """Tokens of the request whose K/V were found in the prefix cache."""
     return self.blocks.computed.get(seq.request_id, 0)
 
 
-PagedKVCache.too_long, PagedKVCache.usage = too_long, usage
-PagedKVCache.can_allocate, PagedKVCache.allocate = can_allocate, allocate
-PagedKVCache.fork, PagedKVCache.cached_tokens = fork, cached_tokens
-PagedKVCache.can_append, PagedKVCache.append_slot = can_append, append_slot
-PagedKVCache.free, PagedKVCache.reset_prefix_cache = free, reset_prefix_cache
-PagedKVCache.num_computed = num_computed
+PagedKVCache.too_long, PagedKVCache.usage = _too_long, _usage
+PagedKVCache.can_allocate, PagedKVCache.allocate = _can_allocate, _allocate
+PagedKVCache.fork, PagedKVCache.cached_tokens = _fork, _cached_tokens
+PagedKVCache.can_append, PagedKVCache.append_slot = _can_append, _append_slot
+PagedKVCache.free, PagedKVCache.reset_prefix_cache = _free, _reset_prefix_cache
+PagedKVCache.num_computed = _num_computed
 
 # %% ../../chapters/06_paged_attention.ipynb #c30d-paged
 # --- what the runner asks ---
-def block_table(self, seq: Sequence) -> list[int]:
+def _block_table(self, seq: Sequence) -> list[int]:
     return list(self.blocks.tables[seq.request_id])
 
 
-def commit(self, seqs: list[Sequence] | None = None) -> None:
+def _commit(self, seqs: list[Sequence] | None = None) -> None:
     """The step's forward wrote every layer: the blocks it filled are final, and
     from now on other requests may share them (prefix caching). seqs: the step's
     requests, whose num_computed_tokens say how far (None: every block)."""
@@ -187,7 +186,7 @@ def commit(self, seqs: list[Sequence] | None = None) -> None:
 
 
 # --- attention through block tables ---
-def gather(self, layer_idx: int, meta: StepMeta):
+def _gather(self, layer_idx: int, meta: StepMeta):
     """[B, kv_heads, S, head_dim]: each row's blocks, in table order, as one run of
     positions. The slots to read are worked out once per forward, and every layer
     copies its K/V into the same two buffers (a GPU kernel such as vLLM's reads
@@ -211,8 +210,8 @@ def gather(self, layer_idx: int, meta: StepMeta):
             v.view(B, S, *v.shape[1:]).transpose(1, 2))
 
 
-PagedKVCache.block_table, PagedKVCache.commit = block_table, commit
-PagedKVCache.gather = gather
+PagedKVCache.block_table, PagedKVCache.commit = _block_table, _commit
+PagedKVCache.gather = _gather
 
 # %% ../../chapters/06_paged_attention.ipynb #c37b-memory
 def check_utilization(utilization) -> None:

@@ -8,15 +8,17 @@ import heapq
 
 import torch
 
+from .base import PackedSteps
 from .contiguous import KVCache, check_kv_fits
 from ..sequence import Sequence
 
 
-class SlotKVCache(KVCache):
+class SlotKVCache(PackedSteps, KVCache):
     """Chapter 4's KV backend: every running request owns one row of the cache (a slot
     of max_seq_len positions) from admission to finish.
 
-    The storage and `attend` are chapter 3's; this class adds the rest of the
+    The storage and `attend` are chapter 3's (a packed step's attention, PackedSteps,
+    comes in section 6); this class adds the rest of the
     KVBackend interface (minillm.kv.base) that the scheduler and the runner use."""
 
     prefix_caching = False   # a row is its request's alone: nothing to share
@@ -59,7 +61,7 @@ class SlotKVCache(KVCache):
                              f"{self.row_of[seq.request_id]}")
         if seq.max_positions > self.max_seq_len:
             raise ValueError(f"request {seq.request_id!r} needs {seq.max_positions} "
-                             "positions; a row holds {self.max_seq_len}")
+                             f"positions; a row holds {self.max_seq_len}")
         if not self.free_rows:
             raise RuntimeError("no free row: ask can_allocate first")
         self.row_of[seq.request_id] = heapq.heappop(self.free_rows)

@@ -270,5 +270,4 @@ def _call(self, fn, *args) -> None:
 
 
 AsyncEngine._expire, AsyncEngine._drop = _expire, _drop
-AsyncEngine._drop_all, AsyncEngine._publish, AsyncEngine._call = (
-    _drop_all, _publish, _call)
+AsyncEngine._drop_all, AsyncEngine._publish, AsyncEngine._call = _drop_all, _publish, _call
