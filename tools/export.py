@@ -7,6 +7,12 @@ Every module belongs to exactly one notebook: when two notebooks export into the
 module (two `#| default_exp x`, or a `#| export x` in another chapter), the export stops
 before it writes anything and names both notebooks.
 
+Some of the package is written by hand, not exported: `minillm/__main__.py`, every
+`__init__.py`, and the whole of `minillm/bench/` (the benchmarks are plain files that the
+chapters import, issue 37). The export never writes there, the check does not ask a
+notebook for them, and a notebook cell that exports into `bench.*` stops the export
+before it writes anything.
+
 nbdev writes a header into every module naming the notebook it came from; the
 relative path in that header depends on where the library lives, so the check
 exports into a copy with the same layout (tmp/chapters, tmp/minillm).
@@ -26,6 +32,7 @@ from nbdev.process import NBProcessor
 
 ROOT = Path(__file__).resolve().parent.parent
 HAND_WRITTEN = {"__init__.py", "__main__.py"}  # modules no notebook owns
+HAND_WRITTEN_PACKAGES = ("bench",)  # folders of minillm/ that no notebook exports into
 
 
 class OwnedModuleMaker(ModuleMaker):
@@ -37,8 +44,23 @@ class OwnedModuleMaker(ModuleMaker):
         super().__init__(dest, name, nb_path, is_new=True, parse=parse, solo_nb=solo_nb)
 
 
-class ExportConflict(ValueError):
+class ExportError(ValueError):
+    """The notebooks cannot be exported as they are; nothing was written."""
+
+
+class ExportConflict(ExportError):
     """Two notebooks export into the same module."""
+
+
+class HandWrittenModule(ExportError):
+    """A notebook exports into a module that is written by hand (minillm/bench/)."""
+
+
+def is_hand_written(module: str) -> bool:
+    """Whether the module (dotted, as a cell names it: `bench.kv`) lies in a folder of
+    minillm/ that is written by hand."""
+    parts = module.split(".")
+    return len(parts) > 1 and parts[0] in HAND_WRITTEN_PACKAGES
 
 
 def modules_of(notebook: Path) -> set[str]:
@@ -66,8 +88,19 @@ def conflicts(notebooks: list[Path]) -> list[str]:
             for mod, nbs in sorted(owners.items()) if len(nbs) > 1]
 
 
+def hand_written_targets(notebooks: list[Path]) -> list[str]:
+    """One message per notebook module that lies in a hand-written folder."""
+    return [f"{nb.name} exports into {mod}, but minillm/{mod.split('.')[0]}/ is written by hand "
+            f"(plain files that the chapters import): edit minillm/{mod.replace('.', '/')}.py "
+            "and import from it in the notebook instead of exporting it"
+            for nb in notebooks for mod in sorted(modules_of(nb)) if is_hand_written(mod)]
+
+
 def export(chapters: Path, lib: Path) -> list[Path]:
     notebooks = sorted(chapters.glob("*.ipynb"))
+    refused = hand_written_targets(notebooks)
+    if refused:
+        raise HandWrittenModule("\n".join(refused))
     problems = conflicts(notebooks)
     if problems:
         raise ExportConflict("\n".join(problems))
@@ -85,7 +118,7 @@ def check() -> list[str]:
         (tmp / "minillm").mkdir()
         try:
             export(tmp / "chapters", tmp / "minillm")
-        except ExportConflict as e:
+        except ExportError as e:
             return str(e).splitlines()
         fresh = {p.relative_to(tmp / "minillm") for p in (tmp / "minillm").rglob("*.py")}
         mine = {p.relative_to(ROOT / "minillm") for p in (ROOT / "minillm").rglob("*.py")}
@@ -95,7 +128,7 @@ def check() -> list[str]:
             elif not filecmp.cmp(tmp / "minillm" / rel, ROOT / "minillm" / rel, shallow=False):
                 problems.append(f"minillm/{rel} differs from what its notebook exports: run `make export`")
         for rel in sorted(mine - fresh):
-            if rel.name not in HAND_WRITTEN:
+            if rel.name not in HAND_WRITTEN and not is_hand_written(".".join(rel.with_suffix("").parts)):
                 problems.append(f"minillm/{rel} is exported by no notebook: delete it or add its notebook")
     return problems
 
@@ -110,7 +143,7 @@ def main() -> int:
         return 1 if problems else 0
     try:
         notebooks = export(ROOT / "chapters", ROOT / "minillm")
-    except ExportConflict as e:
+    except ExportError as e:
         print(e, file=sys.stderr)
         return 1
     for nb in notebooks:
