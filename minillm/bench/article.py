@@ -68,7 +68,8 @@ def chat_prompt(tokenizer, n_tokens: int) -> list[int]:
 def random_model(preset: str, device, dtype, quantization: str | None):
     """A random model of a PRESETS shape, built on the device and quantized layer by
     layer; the float copy's memory goes back to the driver before anything is read."""
-    from minillm.model import ModelConfig, Transformer
+    from minillm.config import ModelConfig
+    from minillm.model import Transformer
     from minillm.quant import quantize
     config = ModelConfig.from_hf(dict(PRESETS[preset]))
     with torch.device(device):
@@ -89,7 +90,8 @@ def article_task(model: str | Path = SEVEN_B, device=None, prompt_tokens: int = 
     `repeats`, after a warm-up) and read the GPU memory in use. Both are reported
     against the article's need."""
     from minillm.engine import LLMEngine
-    from minillm.model import QUANTIZATIONS, load_model, resolve_folder
+    from minillm.loader import check_quantization, load_model
+    from minillm.sources import resolve_folder
     from minillm.sampling import SamplingParams
     from minillm.tokenizer import Tokenizer
     from minillm.utils import pick_device
@@ -100,8 +102,7 @@ def article_task(model: str | Path = SEVEN_B, device=None, prompt_tokens: int = 
     if max_model_len <= prompt_tokens:
         raise ValueError(f"max_model_len={max_model_len} must exceed prompt_tokens="
                          f"{prompt_tokens} (the prompt and its first token)")
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r}: one of {QUANTIZATIONS}")
+    check_quantization(quantization)
     device = pick_device(device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     if str(model) in PRESETS:  # random weights of the shape, made on the device

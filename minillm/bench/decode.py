@@ -20,7 +20,9 @@ from .results import file_stem, rows_table, write_csvs
 from ..engine import LLMEngine
 from ..engine.graphs import compile_parts
 from ..memory import PRESETS
-from ..model import ModelConfig, Transformer, load_model
+from ..config import ModelConfig
+from ..loader import load_model
+from ..model import Transformer
 from ..perf import decode_bytes, measure_bandwidth, mbu, peak_for
 from ..utils import bundled_model_path, synchronize
 

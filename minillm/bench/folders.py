@@ -108,7 +108,7 @@ def model_folder(name: str) -> Path:
         if MODELS[name] is None:
             return bundled_model_path()
         if "/" in MODELS[name]:  # a Hub name
-            from ..model import resolve_folder
+            from ..sources import resolve_folder
             return resolve_folder(MODELS[name])
         return random_model_folder(MODELS[name])
     if (Path(name) / "config.json").is_file():

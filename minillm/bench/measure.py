@@ -16,7 +16,7 @@ import torch
 
 from ..generate import generate
 from ..kv.contiguous import KVCache
-from ..model import ModelConfig
+from ..config import ModelConfig
 from ..naive import naive_generate
 from ..sampling import SamplingParams
 from ..utils import synchronize

@@ -32,7 +32,8 @@ from .workloads import heldout_ids, shakespeare_missing
 from ..generate import generate
 from ..kv.contiguous import KVCache
 from ..memory import PRESETS
-from ..model import ModelConfig, load_model
+from ..config import ModelConfig
+from ..loader import load_model
 from ..quant import (FbgemmLinear, bnb_missing, fbgemm_missing, perplexity,
                            quantize)
 from ..utils import pick_device, synchronize

@@ -30,7 +30,8 @@ from .workloads import (PROMPT_SOURCES, Request,
 from ..engine import LLMEngine
 from ..generate import generate_tokens
 from ..kv.contiguous import KVCache
-from ..model import ModelConfig, load_model
+from ..config import ModelConfig
+from ..loader import load_model
 from ..utils import pick_device
 
 __all__ = ["METHODS", "DEFAULT_METHODS", "Served", "MethodRun", "run_transformers",
