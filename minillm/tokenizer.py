@@ -1056,8 +1056,8 @@ def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
     if folder.suffix == ".gguf" or not folder.exists():
         raise FileNotFoundError(
             f"{str(folder)!r} does not exist as a folder or a tokenizer.json; for a "
-            "GGUF file or "
-            "a Hub name, find its folder first: minillm.sources.resolve_folder(name)")
+            "GGUF file or a Hub name, find its folder first: "
+            "minillm.sources.resolve_folder(name)")
     path = folder / "tokenizer.json" if folder.is_dir() else folder
     if not path.is_file():
         where = "" if folder.exists() else f" ({folder} does not exist)"

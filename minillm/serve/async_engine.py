@@ -270,4 +270,5 @@ def _call(self, fn, *args) -> None:
 
 
 AsyncEngine._expire, AsyncEngine._drop = _expire, _drop
-AsyncEngine._drop_all, AsyncEngine._publish, AsyncEngine._call = _drop_all, _publish, _call
+AsyncEngine._drop_all, AsyncEngine._publish, AsyncEngine._call = (
+    _drop_all, _publish, _call)

@@ -78,4 +78,5 @@ def _render(self) -> bytes:
     return generate_latest(self.registry)
 
 
-ServerMetrics.observe, ServerMetrics.finished, ServerMetrics.render = _observe, _finished, _render
+ServerMetrics.observe, ServerMetrics.finished, ServerMetrics.render = (
+    _observe, _finished, _render)
