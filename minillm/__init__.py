@@ -5,10 +5,12 @@ Every module except this one is exported from a chapter notebook in chapters/ (`
 """
 __version__ = "0.1.0"
 
-# Later chapters extend earlier code by registering what they add under a name (chapter
-# 5's quantization modes in minillm.loader.QUANTIZATIONS, ...). Importing any part of the
+# Later chapters extend earlier code by registering what they add under a name: chapter
+# 5's quantization modes (minillm.loader.QUANTIZATIONS), chapter 6's paged KV cache
+# (minillm.kv.base.KV_BACKENDS, continuous batching's default). Importing any part of the
 # package imports them, so the package is always the whole engine, whatever came first.
 from . import quant  # noqa: E402,F401  load_model(quantization="w8a16" | "w8a8" | "int8")
+from .kv import paged  # noqa: E402,F401  LLMEngine(kv_cache="paged", block_size=...)
 
 # The front door with vLLM's names: `from minillm import LLM, SamplingParams`. Imported
 # when first used, so `python -m minillm.bench` and the chapters' first cells stay light.

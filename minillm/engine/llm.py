@@ -13,7 +13,8 @@ import torch
 
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from ..kv.slots import SlotKVCache
+import minillm.kv.slots  # noqa: F401  (registers kv_cache="slots")
+from ..kv.base import make_kv
 from ..sampling import SamplingParams
 from ..sequence import RUNNING, Sequence
 
@@ -83,7 +84,7 @@ class LLMEngine:
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, policy: str = "continuous",
                  kv_cache: str | None = None, cuda_graphs: bool = False,
-                 enable_chunked_prefill: bool = True, **paged):
+                 enable_chunked_prefill: bool = True, **kv_options):
         from minillm.model import Transformer
         if not isinstance(model, Transformer):
             raise ValueError(f"model={model!r:.60} is not a minillm Transformer: load "
@@ -116,23 +117,8 @@ class LLMEngine:
                              f"model's context of {context} positions")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_model_len = max_model_len
-        if kv_cache is None:  # Chapter 6's blocks serve continuous batching best
-            kv_cache = "paged" if policy == "continuous" else "slots"
-        if kv_cache == "paged":  # Chapter 6: blocks (num_blocks or kv_cache_bytes, ...)
-            import inspect
-            from minillm.kv.paged import paged_cache
-            options = list(inspect.signature(paged_cache).parameters)[5:]
-            if set(paged) - set(options):
-                raise ValueError(f"{sorted(set(paged) - set(options))}: not an option "
-                                 f"of LLMEngine; the paged cache takes {options}")
-            self.kv = paged_cache(model, max_num_seqs, max_model_len, policy,
-                                  max_num_batched_tokens, **paged)
-        elif kv_cache == "slots":
-            if paged:
-                raise ValueError(f"{sorted(paged)}: options of kv_cache='paged'")
-            self.kv = SlotKVCache.from_model(model, max_num_seqs, max_model_len)
-        else:
-            raise ValueError(f"kv_cache={kv_cache!r}: allowed 'slots' or 'paged'")
+        self.kv = make_kv(kv_cache, kv_options, model, max_num_seqs, max_model_len,
+                          policy, max_num_batched_tokens)  # by name: section 4
         # one scheduler and one runner, for either backend
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
                                    policy, enable_chunked_prefill)
@@ -455,7 +441,7 @@ class LLM:
                  quantization: str | None = None, policy: str = "continuous",
                  kv_cache: str | None = None, cuda_graphs: bool = False,
                  enable_chunked_prefill: bool = True, seed: int | None = None,
-                 **paged):
+                 **kv_options):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                                  or not 0 <= seed < 2**64):
             raise ValueError(f"seed={seed!r}: None or an int in [0, 2**64)")
@@ -476,8 +462,7 @@ class LLM:
                                  "is loaded already: use model.to(...) or quantize()")
         self.engine = LLMEngine(model, tokenizer, max_num_seqs, max_num_batched_tokens,
                                 max_model_len, policy, kv_cache, cuda_graphs,
-                                enable_chunked_prefill,
-                                **paged)
+                                enable_chunked_prefill, **kv_options)
         if seed is not None:  # requests without their own seed draw from this one
             self.engine.runner.default_generator = torch.Generator(
                 self.engine.runner.device).manual_seed(seed)

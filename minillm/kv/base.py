@@ -53,7 +53,35 @@ class KVBackend(Protocol):
         num_computed_tokens say how far)."""
 
 # %% auto #0
-__all__ = ['KVBackend', 'packed_groups', 'packed_attention', 'PackedSteps']
+__all__ = ['KV_BACKENDS', 'DEFAULT_KV_CACHE', 'KVBackend', 'register_kv_backend', 'make_kv', 'packed_groups', 'packed_attention',
+           'PackedSteps']
+
+# %% ../../chapters/04_continuous_batching.ipynb #c13d-registry
+KV_BACKENDS: dict[str, tuple] = {}  # name -> (build, the names of its options)
+DEFAULT_KV_CACHE = {"continuous": "slots", "static": "slots"}  # policy -> name
+
+
+def register_kv_backend(name: str, build, options=(), default_for=()) -> None:
+    """LLMEngine(kv_cache=name, **options) calls build(model, max_num_seqs,
+    max_model_len, policy, max_num_batched_tokens, **options); default_for:
+    the scheduling policies that use this backend when kv_cache is None."""
+    KV_BACKENDS[name] = (build, tuple(options))
+    for policy in default_for:
+        DEFAULT_KV_CACHE[policy] = name
+
+
+def make_kv(kv_cache: str | None, options: dict, model, max_num_seqs: int,
+            max_model_len: int, policy: str, max_num_batched_tokens: int):
+    """The engine's KV backend: the one named, or the policy's default."""
+    name = DEFAULT_KV_CACHE[policy] if kv_cache is None else kv_cache
+    if not isinstance(name, str) or name not in KV_BACKENDS:
+        raise ValueError(f"kv_cache={kv_cache!r}: allowed {sorted(KV_BACKENDS)}")
+    build, allowed = KV_BACKENDS[name]
+    if set(options) - set(allowed):
+        raise ValueError(f"{sorted(set(options) - set(allowed))}: not an option of "
+                         f"LLMEngine; kv_cache={name!r} takes {list(allowed)}")
+    return build(model, max_num_seqs, max_model_len, policy,
+                 max_num_batched_tokens, **options)
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31a-packed
 def packed_groups(meta: StepMeta) -> list[tuple[torch.Tensor | slice, StepMeta]]:

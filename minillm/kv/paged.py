@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import PackedSteps
+from .base import PackedSteps, register_kv_backend
 from .blocks import BlockManager, check_block_size
 from .contiguous import KVCache, KVMemoryError, check_kv_fits
 from ..model import StepMeta
@@ -296,3 +296,8 @@ def paged_cache(model, max_num_seqs: int, max_model_len: int,
         kv = PagedKVCache.from_model(model, num_blocks, kv_cache_bytes, block_size,
                                      enable_prefix_caching)
     return kv
+
+
+register_kv_backend("paged", paged_cache, default_for=["continuous"], options=[
+    "num_blocks", "kv_cache_bytes", "block_size", "enable_prefix_caching",
+    "gpu_memory_utilization"])  # LLMEngine(...) and LLM(...) now use blocks

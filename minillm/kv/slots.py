@@ -8,7 +8,7 @@ import heapq
 
 import torch
 
-from .base import PackedSteps
+from .base import PackedSteps, register_kv_backend
 from .contiguous import KVCache, check_kv_fits
 from ..sequence import Sequence
 
@@ -107,6 +107,10 @@ class SlotKVCache(PackedSteps, KVCache):
 
     def commit(self, seqs: list[Sequence] = ()) -> None:
         """The step's K/V are in their rows: nothing more to do (nothing is shared)."""
+
+
+register_kv_backend("slots", lambda model, max_num_seqs, max_model_len, *_:
+                    SlotKVCache.from_model(model, max_num_seqs, max_model_len))
 
 # %% auto #0
 __all__ = ['SlotKVCache']
