@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from .llm import ENGINE_OPTIONS
 from .runner import ModelRunner
 from ..model import StepMeta
 from ..utils import synchronize
@@ -30,7 +31,7 @@ def default_buckets(largest: int, smallest: int = 1, factor: int = 2) -> list[in
     return out + [largest]
 
 # %% auto #0
-__all__ = ['default_buckets', 'GraphRunner', 'graph_blockers', 'enable_cuda_graphs', 'compile_parts']
+__all__ = ['default_buckets', 'GraphRunner', 'graph_blockers', 'enable_cuda_graphs', 'cuda_graphs_option', 'compile_parts']
 
 # %% ../../chapters/07_performance.ipynb #c42-graphs
 class GraphRunner(ModelRunner):
@@ -239,6 +240,18 @@ def enable_cuda_graphs(engine, buckets: list[int] | None = None,
         runner.capture_all()
     engine.runner = runner
     return runner
+
+
+def cuda_graphs_option(on: bool):
+    """LLMEngine(..., cuda_graphs=True), checked before the engine is built; after,
+    its decode steps go through CUDA graphs (vLLM records them unless
+    enforce_eager=True)."""
+    if not isinstance(on, bool):
+        raise ValueError(f"cuda_graphs={on!r}: must be True or False")
+    return enable_cuda_graphs if on else (lambda engine: None)
+
+
+ENGINE_OPTIONS["cuda_graphs"] = cuda_graphs_option
 
 # %% ../../chapters/07_performance.ipynb #c76-compile
 def compile_parts(model: torch.nn.Module, **options) -> list[str]:

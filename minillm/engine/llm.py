@@ -63,8 +63,8 @@ class StepRecord:
     kv_capacity: int               # positions of the whole KV memory
 
 # %% auto #0
-__all__ = ['CompletionOutput', 'RequestOutput', 'StepRecord', 'weights_version', 'LLMEngine', 'request_metrics', 'final_output',
-           'LLM', 'RequestError', 'TextStream']
+__all__ = ['ENGINE_OPTIONS', 'CompletionOutput', 'RequestOutput', 'StepRecord', 'weights_version', 'LLMEngine', 'request_metrics',
+           'final_output', 'LLM', 'RequestError', 'TextStream']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43-engine
 def weights_version(model: torch.nn.Module) -> tuple:
@@ -76,6 +76,10 @@ def weights_version(model: torch.nn.Module) -> tuple:
                  for t in itertools.chain(model.parameters(), model.buffers()))
 
 
+ENGINE_OPTIONS: dict = {}  # an option a later chapter adds -> check(value), which
+#                            returns apply(engine) (chapter 7: cuda_graphs=True)
+
+
 class LLMEngine:
     """Serve many requests at once: add_request, then step() until has_unfinished()
     is False. Each step runs one forward for every running request."""
@@ -83,8 +87,8 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, policy: str = "continuous",
-                 kv_cache: str | None = None, cuda_graphs: bool = False,
-                 enable_chunked_prefill: bool = True, **kv_options):
+                 kv_cache: str | None = None, enable_chunked_prefill: bool = True,
+                 **options):
         from minillm.model import Transformer
         if not isinstance(model, Transformer):
             raise ValueError(f"model={model!r:.60} is not a minillm Transformer: load "
@@ -106,8 +110,6 @@ class LLMEngine:
         max_num_batched_tokens = (max(2048, max_model_len, max_num_seqs)
                                   if max_num_batched_tokens is None
                                   else max_num_batched_tokens)
-        if not isinstance(cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs={cuda_graphs!r}: must be True or False")
         if max_num_batched_tokens < max_num_seqs:  # every running request: a token
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is "
                              f"less than max_num_seqs={max_num_seqs}: each step gives "
@@ -115,9 +117,11 @@ class LLMEngine:
         if max_model_len > context:
             raise ValueError(f"max_model_len={max_model_len} is larger than the "
                              f"model's context of {context} positions")
+        later = [ENGINE_OPTIONS[k](options.pop(k)) for k in list(options)
+                 if k in ENGINE_OPTIONS]  # checked now, applied at the end
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_model_len = max_model_len
-        self.kv = make_kv(kv_cache, kv_options, model, max_num_seqs, max_model_len,
+        self.kv = make_kv(kv_cache, options, model, max_num_seqs, max_model_len,
                           policy, max_num_batched_tokens)  # by name: section 4
         # one scheduler and one runner, for either backend
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
@@ -131,9 +135,8 @@ class LLMEngine:
         self.history: list[StepRecord] = []
         self._ids = itertools.count()
         self._weights = weights_version(model)  # what the cached K/V were made with
-        if cuda_graphs:  # Chapter 7: decode steps replay CUDA graphs
-            from minillm.engine.graphs import enable_cuda_graphs
-            enable_cuda_graphs(self)
+        for apply in later:  # e.g. chapter 7's cuda_graphs=True
+            apply(self)
 
     MAX_HISTORY = 100_000  # steps kept in engine.history (the oldest half goes)
 
@@ -439,9 +442,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, dtype=None, device=None,
                  quantization: str | None = None, policy: str = "continuous",
-                 kv_cache: str | None = None, cuda_graphs: bool = False,
-                 enable_chunked_prefill: bool = True, seed: int | None = None,
-                 **kv_options):
+                 kv_cache: str | None = None, enable_chunked_prefill: bool = True,
+                 seed: int | None = None, **options):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                                  or not 0 <= seed < 2**64):
             raise ValueError(f"seed={seed!r}: None or an int in [0, 2**64)")
@@ -461,8 +463,8 @@ class LLM:
                 raise ValueError(f"{given} apply when LLM loads a folder; this model "
                                  "is loaded already: use model.to(...) or quantize()")
         self.engine = LLMEngine(model, tokenizer, max_num_seqs, max_num_batched_tokens,
-                                max_model_len, policy, kv_cache, cuda_graphs,
-                                enable_chunked_prefill, **kv_options)
+                                max_model_len, policy, kv_cache,
+                                enable_chunked_prefill, **options)
         if seed is not None:  # requests without their own seed draw from this one
             self.engine.runner.default_generator = torch.Generator(
                 self.engine.runner.device).manual_seed(seed)
