@@ -10,6 +10,131 @@ from ..sampling import _penalize, make_generator, sample
 from ..sequence import Logprob, Sequence, block_early_stop
 
 
+class ModelRunner:
+    """Turns a scheduled batch into one forward: prepare the step's tensors (input
+    ids and a StepMeta), run the model, commit the step's K/V, sample one token for
+    every request whose prompt is complete."""
+
+    def __init__(self, model, kv):
+        self.model, self.kv = model, kv
+        self.device = model.embed_tokens.weight.device
+        self.generators: dict[str, torch.Generator | None] = {}
+        self.default_generator = None  # unseeded requests: torch's global one
+
+    def add(self, seq: Sequence) -> None:
+        """Each request draws from its own generator: its seed, its tokens."""
+        own = make_generator(seq.params, self.device)
+        self.generators[seq.request_id] = (self.default_generator if own is None
+                                           else own)
+
+    def remove(self, seq: Sequence) -> None:
+        self.generators.pop(seq.request_id, None)
+
+# %% auto #0
+__all__ = ['ModelRunner', 'token_logprobs']
+
+# %% ../../chapters/04_continuous_batching.ipynb #c31d-runner
+def _prepare_packed(self, seqs: list[Sequence], num_new: list[int]):
+    """Every request's new tokens side by side in one row: [1, total], no padding.
+
+    query_start_loc says where each request's tokens start in the row, seq_lens
+    how many positions each one holds after the step; logits_index picks each
+    request's last new token."""
+    ids, positions, slots, starts, lens = [], [], [], [0], []
+    for s, n in zip(seqs, num_new):
+        c, p = s.num_computed_tokens, len(s.prompt_ids)  # tokens c .. c+n-1,
+        ids += s.prompt_ids[c:c + n]                       # no joined copy
+        ids += s.output_ids[max(0, c - p):max(0, c + n - p)]
+        positions += range(c, c + n)
+        slots += self.kv.slots(s, c, c + n)
+        starts.append(starts[-1] + n)
+        lens.append(c + n)
+    meta = self._meta(seqs, [positions], [slots], lens,
+                      [end - 1 for end in starts[1:]])
+    meta.query_start_loc = self._tensor(starts)
+    meta.seq_lens = self._tensor(lens)
+    meta.cache["host"] = starts, lens  # attention's plan: no read from the device
+    return self._tensor([ids]), meta
+
+
+def _prepare_decode(self, seqs: list[Sequence]):
+    """One token per request, the newest: [B, 1] (a batch of rows of one token is
+    packed already). A finished row (static batching keeps them) is padding: its
+    token goes to the spare slot."""
+    ids, positions, slots, lengths = [], [], [], []
+    for s in seqs:
+        n = s.num_tokens
+        ids.append([(s.output_ids or s.prompt_ids)[-1]])
+        positions.append([n - 1])
+        slots.append(self.kv.slots(s, n - 1, n) if not s.is_finished
+                     else [self.kv.pad_slot])
+        lengths.append(n)
+    return self._tensor(ids), self._meta(seqs, positions, slots, lengths,
+                                         [0] * len(seqs))
+
+
+ModelRunner.prepare_packed = _prepare_packed
+ModelRunner.prepare_decode = _prepare_decode
+
+# %% ../../chapters/04_continuous_batching.ipynb #c31f-runner
+def _tensor(self, x) -> torch.Tensor:
+    """A step's list as a tensor on the device. For a GPU it is built in pinned
+    (page-locked) host memory and copied without waiting: the CPU goes on
+    preparing the step while the copy runs."""
+    if self.device.type != "cuda":
+        return torch.tensor(x, dtype=torch.long, device=self.device)
+    host = torch.tensor(x, dtype=torch.long, pin_memory=True)
+    return host.to(self.device, non_blocking=True)
+
+
+def _meta(self, seqs, positions, slots, lengths, logits_index) -> StepMeta:
+    tables = [self.kv.block_table(s) for s in seqs]
+    width = max(len(b) for b in tables)
+    tables = [b + [0] * (width - len(b)) for b in tables]  # past a row's length:
+    return StepMeta(positions=self._tensor(positions),        # masked
+                    logits_index=self._tensor(logits_index),
+                    slot_mapping=self._tensor(slots),
+                    block_tables=self._tensor(tables), max_context=max(lengths))
+
+
+ModelRunner._tensor, ModelRunner._meta = _tensor, _meta
+
+# %% ../../chapters/04_continuous_batching.ipynb #c31h-runner
+@torch.inference_mode()
+def _run(self, batch) -> list:
+    """One forward for the whole batch. Returns, per request, its new token id, or
+    None for a request still in the middle of its prompt (nothing to sample)."""
+    seqs, num_new = batch.seqs, batch.num_new
+    if batch.is_prefill:
+        input_ids, meta = self.prepare_packed(seqs, num_new)
+    else:
+        input_ids, meta = self.prepare_decode(seqs)
+    self.last_tokens = input_ids.numel()  # what the forward computes
+    logits = self.model(input_ids, meta.positions, kv=self.kv, meta=meta)[:, -1]
+    return self.finish_step(batch, logits)
+
+
+def _finish_step(self, batch, logits: torch.Tensor) -> list:
+    """After the forward: sample the next token of every request whose last token
+    was computed (its row of `logits` [B, vocab]), count the computed tokens and
+    commit them (chapter 6 shares full blocks from now)."""
+    done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new))
+            if not s.is_finished and s.num_computed_tokens + n == s.num_tokens]
+    out = [None] * len(batch.seqs)
+    if done:
+        rows = logits if len(done) == len(batch.seqs) else logits[done]
+        for i, token in zip(done, self.sample([batch.seqs[i] for i in done], rows)):
+            out[i] = token
+    for s, n in zip(batch.seqs, batch.num_new):
+        if not s.is_finished:
+            s.num_computed_tokens += n
+    self.kv.commit(batch.seqs)
+    return out
+
+
+ModelRunner.run, ModelRunner.finish_step = _run, _finish_step
+
+# %% ../../chapters/04_continuous_batching.ipynb #c31h-logprobs
 def token_logprobs(logits: torch.Tensor, params: list, history, outputs,
                    ids: torch.Tensor, asked: list[bool]) -> torch.Tensor:
     """What `logprobs` report, as one tensor [B, 2 + 2k]: for each row the sampled
@@ -35,172 +160,71 @@ def _logprob_dict(token: int, row: list[float], k: int) -> dict:
     out[token] = Logprob(row[0], int(row[1]))
     return out
 
+# %% ../../chapters/04_continuous_batching.ipynb #c31j-runner
+def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:
+    """One token per row of logits [B, vocab], with each request's params: a token
+    id, or (id, {id: Logprob}) for a request that asked for logprobs. A row that
+    cannot be sampled gets the ValueError that says why, in its place: its request
+    ends with that error, the others keep their tokens."""
+    logits = block_early_stop(logits, seqs)  # min_tokens
+    params = [s.params for s in seqs]
+    generators = [self.generators.get(s.request_id) for s in seqs]
+    history = outputs = None
+    if any(p.penalized for p in params):  # only then: the ids seen
+        none = torch.empty(0, dtype=torch.long, device=self.device)
+        history = [self._tensor(s.prompt_ids + s.output_ids)
+                   if s.params.penalized else none for s in seqs]
+        outputs = [self._tensor(s.output_ids)
+                   if s.params.penalized else none for s in seqs]
+    ok = torch.isfinite(logits.amax(-1))  # NaN/inf from the model: not drawn from
+    zero = torch.zeros((), device=logits.device, dtype=logits.dtype)
+    safe = (logits if all(p.greedy for p in params)  # nothing drawn: no copy
+            else torch.where(ok[:, None], logits, zero))
+    try:
+        ids = sample(safe, params, generators, prev_ids=history, check=False,
+                     output_ids=outputs)
+    except ValueError:  # find the rows that fail: each on its own
+        return self._checked(seqs, logits, params, generators, history,
+                             outputs, range(len(seqs)))
+    n, asked = len(seqs), [p.logprobs is not None for p in params]
+    extra = (token_logprobs(safe, params, history, outputs, ids, asked)
+             if any(asked) else None)
+    if extra is None:  # the one device read: ids and flags
+        both = torch.cat([ids, ok.long()]).tolist()
+    else:  # with the log-probabilities: all as float64 (exact for every id)
+        both = torch.cat([ids.double(), ok.double(), extra.flatten().double()]
+                         ).tolist()
+    out = [int(t) for t in both[:n]]
+    fine = both[n:2 * n]
+    if extra is not None:  # each row: its token's log-prob and rank, then top-k
+        width = extra.shape[1]
+        for i in range(n):
+            if asked[i]:
+                r = both[2 * n + i * width:2 * n + (i + 1) * width]
+                out[i] = (out[i], _logprob_dict(out[i], r, params[i].logprobs))
+    bad = [i for i in range(n) if not fine[i]]  # each ends with its error
+    for i, error in zip(bad, self._checked(seqs, logits, params, generators,
+                                           history, outputs, bad)):
+        out[i] = error
+    return out
 
-class ModelRunner:
-    """Turns a scheduled batch into one forward: prepare the step's tensors (input
-    ids and a StepMeta), run the model, commit the step's K/V, sample one token for
-    every request whose prompt is complete."""
 
-    def __init__(self, model, kv):
-        self.model, self.kv = model, kv
-        self.device = model.embed_tokens.weight.device
-        self.generators: dict[str, torch.Generator | None] = {}
-        self.default_generator = None  # unseeded requests: torch's global one
+ModelRunner.sample = _sample
 
-    def add(self, seq: Sequence) -> None:
-        """Each request draws from its own generator: its seed, its tokens."""
-        own = make_generator(seq.params, self.device)
-        self.generators[seq.request_id] = (self.default_generator if own is None
-                                           else own)
-
-    def remove(self, seq: Sequence) -> None:
-        self.generators.pop(seq.request_id, None)
-
-    def prepare_packed(self, seqs: list[Sequence], num_new: list[int]):
-        """Every request's new tokens side by side in one row: [1, total], no padding.
-
-        query_start_loc says where each request's tokens start in the row, seq_lens
-        how many positions each one holds after the step; logits_index picks each
-        request's last new token."""
-        ids, positions, slots, starts, lens = [], [], [], [0], []
-        for s, n in zip(seqs, num_new):
-            c, p = s.num_computed_tokens, len(s.prompt_ids)  # tokens c .. c+n-1,
-            ids += s.prompt_ids[c:c + n]                       # no joined copy
-            ids += s.output_ids[max(0, c - p):max(0, c + n - p)]
-            positions += range(c, c + n)
-            slots += self.kv.slots(s, c, c + n)
-            starts.append(starts[-1] + n)
-            lens.append(c + n)
-        meta = self._meta(seqs, [positions], [slots], lens,
-                          [end - 1 for end in starts[1:]])
-        meta.query_start_loc = self._tensor(starts)
-        meta.seq_lens = self._tensor(lens)
-        meta.cache["host"] = starts, lens  # attention's plan: no read from the device
-        return self._tensor([ids]), meta
-
-    def prepare_decode(self, seqs: list[Sequence]):
-        """One token per request, the newest: [B, 1] (a batch of rows of one token is
-        packed already). A finished row (static batching keeps them) is padding: its
-        token goes to the spare slot."""
-        ids, positions, slots, lengths = [], [], [], []
-        for s in seqs:
-            n = s.num_tokens
-            ids.append([(s.output_ids or s.prompt_ids)[-1]])
-            positions.append([n - 1])
-            slots.append(self.kv.slots(s, n - 1, n) if not s.is_finished
-                         else [self.kv.pad_slot])
-            lengths.append(n)
-        return self._tensor(ids), self._meta(seqs, positions, slots, lengths,
-                                             [0] * len(seqs))
-
-    def _tensor(self, x) -> torch.Tensor:
-        """A step's list as a tensor on the device. For a GPU it is built in pinned
-        (page-locked) host memory and copied without waiting: the CPU goes on
-        preparing the step while the copy runs."""
-        if self.device.type != "cuda":
-            return torch.tensor(x, dtype=torch.long, device=self.device)
-        host = torch.tensor(x, dtype=torch.long, pin_memory=True)
-        return host.to(self.device, non_blocking=True)
-
-    def _meta(self, seqs, positions, slots, lengths, logits_index) -> StepMeta:
-        tables = [self.kv.block_table(s) for s in seqs]
-        width = max(len(b) for b in tables)
-        tables = [b + [0] * (width - len(b)) for b in tables]  # past a row's length:
-        return StepMeta(positions=self._tensor(positions),        # masked
-                        logits_index=self._tensor(logits_index),
-                        slot_mapping=self._tensor(slots),
-                        block_tables=self._tensor(tables), max_context=max(lengths))
-
-    @torch.inference_mode()
-    def run(self, batch) -> list:
-        """One forward for the whole batch. Returns, per request, its new token id, or
-        None for a request still in the middle of its prompt (nothing to sample)."""
-        seqs, num_new = batch.seqs, batch.num_new
-        if batch.is_prefill:
-            input_ids, meta = self.prepare_packed(seqs, num_new)
-        else:
-            input_ids, meta = self.prepare_decode(seqs)
-        self.last_tokens = input_ids.numel()  # what the forward computes
-        logits = self.model(input_ids, meta.positions, kv=self.kv, meta=meta)[:, -1]
-        return self.finish_step(batch, logits)
-
-    def finish_step(self, batch, logits: torch.Tensor) -> list:
-        """After the forward: sample the next token of every request whose last token
-        was computed (its row of `logits` [B, vocab]), count the computed tokens and
-        commit them (chapter 6 shares full blocks from now)."""
-        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new))
-                if not s.is_finished and s.num_computed_tokens + n == s.num_tokens]
-        out = [None] * len(batch.seqs)
-        if done:
-            rows = logits if len(done) == len(batch.seqs) else logits[done]
-            for i, token in zip(done, self.sample([batch.seqs[i] for i in done], rows)):
-                out[i] = token
-        for s, n in zip(batch.seqs, batch.num_new):
-            if not s.is_finished:
-                s.num_computed_tokens += n
-        self.kv.commit(batch.seqs)
-        return out
-
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:
-        """One token per row of logits [B, vocab], with each request's params: a token
-        id, or (id, {id: Logprob}) for a request that asked for logprobs. A row that
-        cannot be sampled gets the ValueError that says why, in its place: its request
-        ends with that error, the others keep their tokens."""
-        logits = block_early_stop(logits, seqs)  # min_tokens
-        params = [s.params for s in seqs]
-        generators = [self.generators.get(s.request_id) for s in seqs]
-        history = outputs = None
-        if any(p.penalized for p in params):  # only then: the ids seen
-            none = torch.empty(0, dtype=torch.long, device=self.device)
-            history = [self._tensor(s.prompt_ids + s.output_ids)
-                       if s.params.penalized else none for s in seqs]
-            outputs = [self._tensor(s.output_ids)
-                       if s.params.penalized else none for s in seqs]
-        ok = torch.isfinite(logits.amax(-1))  # NaN/inf from the model: not drawn from
-        zero = torch.zeros((), device=logits.device, dtype=logits.dtype)
-        safe = (logits if all(p.greedy for p in params)  # nothing drawn: no copy
-                else torch.where(ok[:, None], logits, zero))
+# %% ../../chapters/04_continuous_batching.ipynb #c31k-checked
+def _checked(self, seqs, logits, params, generators, history, outputs,
+             rows) -> list:
+    """Rows `rows` sampled one by one, with the checks: a token or the error.
+    (A row that only fails here never asked for much: no logprobs.)"""
+    out = []
+    for i in rows:
+        one = (lambda x: None if x is None else x[i:i + 1])
         try:
-            ids = sample(safe, params, generators, prev_ids=history, check=False,
-                         output_ids=outputs)
-        except ValueError:  # find the rows that fail: each on its own
-            return self._checked(seqs, logits, params, generators, history,
-                                 outputs, range(len(seqs)))
-        n, asked = len(seqs), [p.logprobs is not None for p in params]
-        extra = (token_logprobs(safe, params, history, outputs, ids, asked)
-                 if any(asked) else None)
-        if extra is None:  # the one device read: ids and flags
-            both = torch.cat([ids, ok.long()]).tolist()
-        else:  # with the log-probabilities: all as float64 (exact for every id)
-            both = torch.cat([ids.double(), ok.double(), extra.flatten().double()]
-                             ).tolist()
-        out = [int(t) for t in both[:n]]
-        fine = both[n:2 * n]
-        if extra is not None:  # each row: its token's log-prob and rank, then top-k
-            width = extra.shape[1]
-            for i in range(n):
-                if asked[i]:
-                    r = both[2 * n + i * width:2 * n + (i + 1) * width]
-                    out[i] = (out[i], _logprob_dict(out[i], r, params[i].logprobs))
-        bad = [i for i in range(n) if not fine[i]]  # each ends with its error
-        for i, error in zip(bad, self._checked(seqs, logits, params, generators,
-                                               history, outputs, bad)):
-            out[i] = error
-        return out
+            out += sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1],
+                          prev_ids=one(history), output_ids=one(outputs)).tolist()
+        except ValueError as e:
+            out.append(type(e)(f"request {seqs[i].request_id!r}: {e}"))
+    return out
 
-    def _checked(self, seqs, logits, params, generators, history, outputs,
-                 rows) -> list:
-        """Rows `rows` sampled one by one, with the checks: a token or the error.
-        (A row that only fails here never asked for much: no logprobs.)"""
-        out = []
-        for i in rows:
-            one = (lambda x: None if x is None else x[i:i + 1])
-            try:
-                out += sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1],
-                              prev_ids=one(history), output_ids=one(outputs)).tolist()
-            except ValueError as e:
-                out.append(type(e)(f"request {seqs[i].request_id!r}: {e}"))
-        return out
 
-# %% auto #0
-__all__ = ['token_logprobs', 'ModelRunner']
+ModelRunner._checked = _checked

@@ -29,7 +29,10 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(self.num_new)
 
+# %% auto #0
+__all__ = ['Batch', 'Scheduler']
 
+# %% ../../chapters/04_continuous_batching.ipynb #c21c-scheduler
 class Scheduler:
     """Iteration-level scheduling (Orca) with one token budget per step (vLLM v1).
 
@@ -74,118 +77,136 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(not s.is_finished for s in self.running)
 
-    def schedule(self) -> Batch | None:
-        """This step's requests and how many tokens each computes; None: no work."""
-        if self.policy == "static":
-            return self._schedule_static()
-        budget = self.max_num_batched_tokens
-        seqs, num_new = [], []
-        for seq in list(self.running):  # the oldest first
-            if seq not in self.running:
-                continue  # preempted just now, for an older request
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n == 0:
-                break  # the budget is spent: the rest wait a step
-            preemptions = self.num_preemptions
-            if self._make_room(seq):  # False: it was preempted itself
-                seqs.append(seq)
-                num_new.append(n)
-                budget -= n
-            if self.num_preemptions != preemptions and any(  # a victim ran already
-                    s not in self.running for s in seqs):
-                num_new = [n for s, n in zip(seqs, num_new) if s in self.running]
-                seqs = [s for s in seqs if s in self.running]
-                budget = self.max_num_batched_tokens - sum(num_new)
-        admitted = self._admit(budget, num_new)
-        if not seqs + admitted:
-            return None
-        return Batch(seqs + admitted, num_new, len(admitted))
-
-    def _schedule_static(self) -> Batch | None:
-        """Static batching: admit while the batch forms, then decode every row of it
-        (finished ones too: padding) until its longest request is done."""
-        if not self.forming and self.running:
-            return Batch(list(self.running), [1] * len(self.running))
-        num_new: list[int] = []
-        admitted = self._admit(self.max_num_batched_tokens, num_new)
-        self.forming = bool(admitted and self.waiting
-                            and len(self.running) < self.max_num_seqs)
-        if admitted:
-            return Batch(admitted, num_new, len(admitted))
-        self.forming = False  # nothing more fits: the batch is formed
-        return self._schedule_static() if self.running else None
-
-    def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:
-        """Waiting requests, FIFO, while they fit: each one's tokens go to num_new."""
-        admitted: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]  # strict FIFO: nobody overtakes the head
-            todo = seq.num_tokens - self.kv.cached_tokens(seq)  # to compute
-            if todo > budget and (self.policy == "static"
-                                  or not self.enable_chunked_prefill):
-                break  # waits for a step with room for the whole prompt
-            if not self.kv.can_allocate(seq):
-                break
-            self.waiting.popleft()
-            self.kv.allocate(seq)
-            seq.num_computed_tokens = self.kv.num_computed(seq)  # prefix cache
-            seq.status = RUNNING
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            admitted.append(seq)
+# %% ../../chapters/04_continuous_batching.ipynb #c21e-scheduler
+def _schedule(self) -> Batch | None:
+    """This step's requests and how many tokens each computes; None: no work."""
+    if self.policy == "static":
+        return self._schedule_static()
+    budget = self.max_num_batched_tokens
+    seqs, num_new = [], []
+    for seq in list(self.running):  # the oldest first
+        if seq not in self.running:
+            continue  # preempted just now, for an older request
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if n == 0:
+            break  # the budget is spent: the rest wait a step
+        preemptions = self.num_preemptions
+        if self._make_room(seq):  # False: it was preempted itself
+            seqs.append(seq)
             num_new.append(n)
-            self.running.append(seq)
             budget -= n
-        return admitted
+        if self.num_preemptions != preemptions and any(  # a victim ran already
+                s not in self.running for s in seqs):
+            num_new = [n for s, n in zip(seqs, num_new) if s in self.running]
+            seqs = [s for s in seqs if s in self.running]
+            budget = self.max_num_batched_tokens - sum(num_new)
+    admitted = self._admit(budget, num_new)
+    if not seqs + admitted:
+        return None
+    return Batch(seqs + admitted, num_new, len(admitted))
 
-    def _make_room(self, seq: Sequence) -> bool:
-        """Room for the newest token of a decoding request; when there is none, the
-        newest running request gives way. False if `seq` itself had to."""
-        if seq.num_computed_tokens < seq.num_tokens - 1:
-            return True  # in its prompt: its blocks were given on admission
-        while not self.kv.can_append(seq):
-            victim = self.victim()
-            self.preempt(victim)
-            if victim is seq:
-                return False
-        self.kv.append_slot(seq)
-        return True
 
-    def victim(self) -> Sequence:
-        """Who gives way when memory runs out: the newest running request."""
-        return self.running[-1]
+Scheduler.schedule = _schedule
 
-    def preempt(self, seq: Sequence) -> None:
-        self.num_recomputed += seq.num_computed_tokens  # K/V thrown away
-        self.preempted.append(seq.request_id)
+# %% ../../chapters/04_continuous_batching.ipynb #c21g-scheduler
+def _schedule_static(self) -> Batch | None:
+    """Static batching: admit while the batch forms, then decode every row of it
+    (finished ones too: padding) until its longest request is done."""
+    if not self.forming and self.running:
+        return Batch(list(self.running), [1] * len(self.running))
+    num_new: list[int] = []
+    admitted = self._admit(self.max_num_batched_tokens, num_new)
+    self.forming = bool(admitted and self.waiting
+                        and len(self.running) < self.max_num_seqs)
+    if admitted:
+        return Batch(admitted, num_new, len(admitted))
+    self.forming = False  # nothing more fits: the batch is formed
+    return self._schedule_static() if self.running else None
+
+
+def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:
+    """Waiting requests, FIFO, while they fit: each one's tokens go to num_new."""
+    admitted: list[Sequence] = []
+    while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        seq = self.waiting[0]  # strict FIFO: nobody overtakes the head
+        todo = seq.num_tokens - self.kv.cached_tokens(seq)  # to compute
+        if todo > budget and (self.policy == "static"
+                              or not self.enable_chunked_prefill):
+            break  # waits for a step with room for the whole prompt
+        if not self.kv.can_allocate(seq):
+            break
+        self.waiting.popleft()
+        self.kv.allocate(seq)
+        seq.num_computed_tokens = self.kv.num_computed(seq)  # prefix cache
+        seq.status = RUNNING
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        admitted.append(seq)
+        num_new.append(n)
+        self.running.append(seq)
+        budget -= n
+    return admitted
+
+
+Scheduler._schedule_static, Scheduler._admit = _schedule_static, _admit
+
+# %% ../../chapters/04_continuous_batching.ipynb #c21i-scheduler
+def _make_room(self, seq: Sequence) -> bool:
+    """Room for the newest token of a decoding request; when there is none, the
+    newest running request gives way. False if `seq` itself had to."""
+    if seq.num_computed_tokens < seq.num_tokens - 1:
+        return True  # in its prompt: its blocks were given on admission
+    while not self.kv.can_append(seq):
+        victim = self.victim()
+        self.preempt(victim)
+        if victim is seq:
+            return False
+    self.kv.append_slot(seq)
+    return True
+
+
+def _victim(self) -> Sequence:
+    """Who gives way when memory runs out: the newest running request."""
+    return self.running[-1]
+
+
+def _preempt(self, seq: Sequence) -> None:
+    self.num_recomputed += seq.num_computed_tokens  # K/V thrown away
+    self.preempted.append(seq.request_id)
+    self.running.remove(seq)
+    self.kv.free(seq)
+    seq.num_computed_tokens = 0
+    seq.status = WAITING
+    self.waiting.appendleft(seq)
+    self.num_preemptions += 1
+
+
+Scheduler._make_room, Scheduler.victim = _make_room, _victim
+Scheduler.preempt = _preempt
+
+# %% ../../chapters/04_continuous_batching.ipynb #c21k-scheduler
+def _finished(self, seq: Sequence) -> None:
+    """A request ended (stop, length or abort): give its memory back now (static
+    batching: when the whole batch has ended)."""
+    if seq in self.waiting:
+        self.waiting.remove(seq)
+    if self.policy == "continuous" and seq in self.running:
+        self.running.remove(seq)
+        self.kv.free(seq)
+    elif all(s.is_finished for s in self.running):  # the static batch is over
+        for s in self.running:
+            self.kv.free(s)
+        self.running = []
+
+
+def _undo(self, batch: Batch) -> None:
+    """A step failed, so nothing it computed counts. The requests it admitted go
+    back to the front of the queue; the others keep their place and their K/V."""
+    for seq in reversed(batch.seqs[len(batch.seqs) - batch.num_admitted:]):
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
-    def finished(self, seq: Sequence) -> None:
-        """A request ended (stop, length or abort): give its memory back now (static
-        batching: when the whole batch has ended)."""
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if self.policy == "continuous" and seq in self.running:
-            self.running.remove(seq)
-            self.kv.free(seq)
-        elif all(s.is_finished for s in self.running):  # the static batch is over
-            for s in self.running:
-                self.kv.free(s)
-            self.running = []
 
-    def undo(self, batch: Batch) -> None:
-        """A step failed, so nothing it computed counts. The requests it admitted go
-        back to the front of the queue; the others keep their place and their K/V."""
-        for seq in reversed(batch.seqs[len(batch.seqs) - batch.num_admitted:]):
-            self.running.remove(seq)
-            self.kv.free(seq)
-            seq.num_computed_tokens = 0
-            seq.status = WAITING
-            self.waiting.appendleft(seq)
-
-# %% auto #0
-__all__ = ['Batch', 'Scheduler']
+Scheduler.finished, Scheduler.undo = _finished, _undo
