@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 # Later chapters extend earlier code by registering what they add under a name: chapter
 # 5's quantization modes (minillm.loader.QUANTIZATIONS), chapter 6's paged KV cache
 # (minillm.kv.base.KV_BACKENDS, continuous batching's default), chapter 7's CUDA graphs
-# (minillm.engine.llm.ENGINE_OPTIONS). Importing any part of the package imports them,
+# (minillm.engine.llm_engine.ENGINE_OPTIONS). Importing any part of the package imports them,
 # so the package is always the whole engine, whatever came first.
 from . import quant  # noqa: E402,F401  load_model(quantization="w8a16" | "w8a8" | "int8")
 from .kv import paged  # noqa: E402,F401  LLMEngine(kv_cache="paged", block_size=...)
@@ -16,8 +16,9 @@ from .engine import graphs  # noqa: E402,F401  LLMEngine(..., cuda_graphs=True)
 
 # The front door with vLLM's names: `from minillm import LLM, SamplingParams`. Imported
 # when first used, so `python -m minillm.bench` and the chapters' first cells stay light.
-_FRONT = {"LLM": "minillm.engine.llm", "LLMEngine": "minillm.engine.llm",
-          "RequestOutput": "minillm.engine.llm", "CompletionOutput": "minillm.engine.llm",
+_FRONT = {"LLM": "minillm.engine.llm", "LLMEngine": "minillm.engine.llm_engine",
+          "RequestOutput": "minillm.engine.outputs",
+          "CompletionOutput": "minillm.engine.outputs",
           "SamplingParams": "minillm.sampling"}
 __all__ = list(_FRONT)
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.engine.llm import LLM, CompletionOutput, LLMEngine, RequestOutput
+from minillm.engine.llm import LLM
+from minillm.engine.llm_engine import LLMEngine
+from minillm.engine.outputs import CompletionOutput, RequestOutput
 from minillm.kv.blocks import BlockManager
 from minillm.kv.paged import PagedKVCache
 from minillm.loader import load_model

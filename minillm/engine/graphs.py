@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from .llm import ENGINE_OPTIONS
+from .llm_engine import ENGINE_OPTIONS
 from .runner import ModelRunner
 from ..model import StepMeta
 from ..utils import synchronize
