@@ -168,3 +168,36 @@ class BlockMachine(RuleBasedStateMachine):
 BlockMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=60,
                                           deadline=None)
 test_block_manager_random_runs = BlockMachine.TestCase
+
+
+def test_each_full_block_of_a_request_is_hashed_once(monkeypatch):
+    """A request's block hashes are chained and its tokens only grow, so each block is
+    hashed once. Before, a 320-token request cost 172 SHA-256 calls for 21 blocks (all
+    hashed again whenever one filled), and a waiting prompt was hashed every step."""
+    import hashlib
+
+    import minillm.kv.blocks as blocks_module
+    from minillm.engine import LLMEngine
+    from minillm.loader import load_model
+    from minillm.sampling import SamplingParams
+    from minillm.utils import bundled_model_path
+    model = load_model(bundled_model_path())
+    engine = LLMEngine(model, max_num_seqs=1, kv_cache="paged", block_size=16,
+                       num_blocks=64, max_model_len=384)
+    calls = []
+    real = hashlib.sha256
+    monkeypatch.setattr(blocks_module.hashlib, "sha256",
+                        lambda data: (calls.append(data), real(data))[1])
+    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    engine.add_request(list(range(1, 161)), params, request_id="a")  # 10 blocks
+    engine.add_request(list(range(200, 232)), params, request_id="b")  # waits: 2
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert steps > 300  # b waited through all of a's steps
+    # a: 10 prompt blocks, then 9 filled while decoding (its last token is sampled and
+    # never written); b: 2 + 9. Each hashed exactly once (b while it waited, too).
+    assert len(calls) == (10 + 9) + (2 + 9)
+    assert len(set(calls)) == len(calls)
+    assert not engine.kv.blocks.request_keys  # forgotten with the requests

@@ -53,7 +53,7 @@ def free_everything(engine: LLMEngine) -> None:
     assert reserved == 0
     if hasattr(engine.kv, "blocks"):
         engine.kv.blocks.check()
-        assert not engine.kv.blocks.tables
+        assert not engine.kv.blocks.tables and not engine.kv.blocks.request_keys
 
 
 # --- 1. streams lose nothing ---

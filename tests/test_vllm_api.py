@@ -35,7 +35,7 @@ def drained(engine: LLMEngine) -> None:
     assert not engine.has_unfinished() and engine.kv.usage()[0] == 0
     if hasattr(engine.kv, "blocks"):
         engine.kv.blocks.check()
-        assert not engine.kv.blocks.tables
+        assert not engine.kv.blocks.tables and not engine.kv.blocks.request_keys
 
 
 # --- SamplingParams ---

@@ -187,8 +187,9 @@ Scheduler.preempt = _preempt
 def _finished(self, seq: Sequence) -> None:
     """A request ended (stop, length or abort): give its memory back now (static
     batching: when the whole batch has ended)."""
-    if seq in self.waiting:
+    if seq in self.waiting:  # it holds no memory; what the backend noted goes
         self.waiting.remove(seq)
+        self.kv.free(seq)
     if self.policy == "continuous" and seq in self.running:
         self.running.remove(seq)
         self.kv.free(seq)

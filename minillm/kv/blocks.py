@@ -49,6 +49,7 @@ class BlockManager:
         self.tables: dict[str, list[int]] = {}   # request id -> its blocks, in order
         self.computed: dict[str, int] = {}       # request id -> tokens found in cache
         self.pending: dict[str, list[tuple]] = {}  # (end, block, hash, key)
+        self.request_keys: dict[str, list] = {}  # request id -> its blocks' keys
         self.unpublished: set[str] = set()       # computed before a reset: never shared
         self.hits = self.queries = 0             # prefix-cache statistics, in blocks
 
@@ -61,9 +62,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)  # ceil
 
     # --- the scheduler's questions ---
-    def can_allocate(self, token_ids: list[int]) -> bool:
+    def can_allocate(self, token_ids: list[int], request_id: str | None = None) -> bool:
         """Are there enough free blocks for these tokens (cached blocks count once)?"""
-        shared = self.cached_prefix(token_ids)
+        shared = self.cached_prefix(token_ids, request_id)
         revived = sum(1 for b in shared if self.ref_count[b] == 0)  # free, reused
         new = self.blocks_for(len(token_ids)) - len(shared)
         return new + revived <= self.num_free
@@ -73,14 +74,14 @@ class BlockManager:
         tokens are already in the cache (their prefill can be skipped)."""
         if request_id in self.tables:
             raise ValueError(f"request {request_id!r} holds blocks already")
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(token_ids, request_id):
             raise RuntimeError("not enough free blocks: ask can_allocate first")
-        shared = self.cached_prefix(token_ids)
+        shared = self.cached_prefix(token_ids, request_id)
         table = []
         for block in shared:
             self._take(block)
             table.append(block)
-        keys = self.block_keys(token_ids)
+        keys = self.block_keys(token_ids, request_id)
         pending = []
         for i in range(len(shared), self.blocks_for(len(token_ids))):
             block = self._take(self._evict())
@@ -108,7 +109,7 @@ class BlockManager:
             table.append(self._take(self._evict()))
         if (self.enable_prefix_caching and n % self.block_size == 0  # fills a block
                 and request_id not in self.unpublished):
-            h, key = self.block_keys(token_ids)[-1]
+            h, key = self.block_keys(token_ids, request_id)[-1]
             self.pending.setdefault(request_id, []).append((n, table[-1], h, key))
 
     def free(self, request_id: str) -> None:
@@ -119,6 +120,7 @@ class BlockManager:
             if self.ref_count[block] == 0:
                 self.free_blocks[block] = None  # the most recently freed: reused last
         self.computed.pop(request_id, None)
+        self.request_keys.pop(request_id, None)
         self.pending.pop(request_id, None)  # never written: do not publish
         self.unpublished.discard(request_id)
 
@@ -156,16 +158,20 @@ __all__ = ['check_block_size', 'BlockManager']
 
 # %% ../../chapters/06_paged_attention.ipynb #c20b-blocks
 # --- prefix hashes ---
-def _block_keys(self, token_ids: list[int]) -> list[tuple[bytes, tuple]]:
+def _block_keys(self, token_ids: list[int],
+                request_id: str | None = None) -> list[tuple[bytes, tuple]]:
     """(hash, key) per *full* block: key = (the previous block's hash, its token
-    ids), hash = SHA-256 of the key. Equal hashes mean equal prefixes."""
-    out, prev, bs = [], b"", self.block_size
-    for start in range(0, len(token_ids) - bs + 1, bs):
+    ids), hash = SHA-256 of the key. Equal hashes mean equal prefixes. A request's
+    tokens only grow: with its id, each block is hashed once, kept until free()."""
+    out = [] if request_id is None else self.request_keys.setdefault(request_id, [])
+    bs = self.block_size
+    prev = out[-1][0] if out else b""
+    for start in range(len(out) * bs, len(token_ids) - bs + 1, bs):
         tokens = tuple(token_ids[start:start + bs])
         h = hashlib.sha256(prev + struct.pack(f"<{bs}q", *tokens)).digest()
         out.append((h, (prev, tokens)))
         prev = h
-    return out
+    return out[:len(token_ids) // bs]
 
 
 def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
@@ -173,7 +179,8 @@ def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
     return [h for h, _ in self.block_keys(token_ids)]
 
 
-def _cached_prefix(self, token_ids: list[int]) -> list[int]:
+def _cached_prefix(self, token_ids: list[int],
+                   request_id: str | None = None) -> list[int]:
     """The cached blocks this token list starts with. The last token is always
     left to compute (its logits give the next token), so at most
     (len - 1) // block_size blocks. A hit counts only if the block's key (the
@@ -182,7 +189,7 @@ def _cached_prefix(self, token_ids: list[int]) -> list[int]:
         return []
     found = []
     usable = (len(token_ids) - 1) // self.block_size
-    for h, key in self.block_keys(token_ids)[:usable]:
+    for h, key in self.block_keys(token_ids, request_id)[:usable]:
         block = self.cached.get(h)
         if block is None or self.key_of.get(block) != key:
             break

@@ -115,7 +115,7 @@ def _usage(self) -> tuple[int, int]:
 
 
 def _can_allocate(self, seq: Sequence) -> bool:
-    return self.blocks.can_allocate(token_ids(seq))
+    return self.blocks.can_allocate(token_ids(seq), seq.request_id)
 
 
 def _allocate(self, seq: Sequence) -> None:
@@ -140,7 +140,8 @@ def _fork(self, parent: Sequence, child: Sequence) -> bool:
 
 def _cached_tokens(self, seq: Sequence) -> int:
     """Tokens of the request that the prefix cache holds (before allocate)."""
-    return len(self.blocks.cached_prefix(token_ids(seq))) * self.block_size
+    return (len(self.blocks.cached_prefix(token_ids(seq), seq.request_id))
+            * self.block_size)
 
 
 def _can_append(self, seq: Sequence) -> bool:
