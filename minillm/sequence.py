@@ -143,117 +143,6 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
 
-    @classmethod
-    def create(cls, model, prompt_ids, params: SamplingParams | None = None,
-               tokenizer=None, request_id: str = "0",
-               arrival_time: float | None = None) -> "Sequence":
-        """`model`: the model or its ModelConfig (for the vocabulary, context, EOS)."""
-        params = SamplingParams() if params is None else params
-        ids = check_prompt(model, prompt_ids, params)  # empty, bad ids, too long
-        if params.stop and not callable(getattr(tokenizer, "decode", None)):
-            raise ValueError(f"stop={params.stop} needs a tokenizer with .decode(ids) "
-                             f"to read the text; got tokenizer={tokenizer!r:.60}")
-        stops = frozenset(stop_ids(model, params))
-        vocab = getattr(model, "config", model).vocab_size
-        sampleable = vocab - len({t for t in stops if 0 <= t < vocab})
-        if params.min_tokens and sampleable == 0:
-            raise ValueError(f"the stop ids (EOS and stop_token_ids) cover all {vocab} "
-                             f"token ids, and min_tokens={params.min_tokens} "
-                             "forbids stopping: no token could ever be sampled")
-        decoder = (None if tokenizer is None
-                   else text_decoder(tokenizer, params.skip_special_tokens))
-        seq = cls(str(request_id), ids, params, stops, decoder)
-        if params.logprobs is not None:
-            seq.logprobs, seq.cumulative_logprob = [], 0.0
-        if arrival_time is not None:
-            now = time.perf_counter()
-            real = (isinstance(arrival_time, numbers.Real)
-                    and not isinstance(arrival_time, bool))
-            if not real or not math.isfinite(arrival_time) or arrival_time > now:
-                raise ValueError(f"arrival_time={arrival_time!r:.40}: give a reading "
-                                 "of time.perf_counter(), not in the future "
-                                 f"(now: {now:.3f})")
-            seq.arrival_time = float(arrival_time)
-        return seq
-
-    def append(self, token_id: int, now: float | None = None,
-               logprobs: dict | None = None) -> str:
-        """Add one generated id (and its log-probs, {id: Logprob}); apply the stop
-        rules. Returns the new text. If the token cannot be decoded, it raises and the
-        request is as it was."""
-        if self.status == FINISHED:
-            raise RuntimeError(f"request {self.request_id} has finished "
-                               f"({self.finish_reason}); it takes no more tokens")
-        now = time.perf_counter() if now is None else now
-        piece = self.decoder.push(token_id) if self.decoder is not None else ""
-        self.output_ids.append(token_id)
-        self.token_times.append(now)
-        if self.first_token_time is None:
-            self.first_token_time = now
-        if logprobs is not None:
-            self.logprobs.append(logprobs)
-            self.cumulative_logprob += logprobs[token_id].logprob
-        self.held += piece
-        keep = self.params.include_stop_str_in_output
-        if self._may_stop() and token_id in self.stop_ids:  # EOS or a stop id
-            if not keep:  # its text is not part of the answer (vLLM's way)
-                self.held = self.held[:len(self.held) - len(piece)]
-            reason = token_id if token_id in self.params.stop_token_ids else None
-            return self.finish("stop", now, reason)
-        if self._may_stop() and (hit := self._stop_string(len(piece))):
-            at, stop = hit  # the text ends before the stop string, or after it
-            self.held = self.held[:at + len(stop) if keep else at]
-            return self.finish("stop", now, stop)
-        if len(self.output_ids) == self.params.max_tokens:
-            return self.finish("length", now)
-        return self._release()
-
-    def _may_stop(self) -> bool:
-        """min_tokens: the first min_tokens new tokens never stop a request."""
-        return len(self.output_ids) > self.params.min_tokens
-
-    def _stop_string(self, new: int) -> tuple[int, str] | None:
-        """The first stop string that the newest `new` characters completed, and where
-        it starts in the held-back text. Only that text can hold one (see _release)."""
-        hits = []
-        for stop in self.params.stop:
-            at = self.held.find(stop, max(0, len(self.held) - new - len(stop) + 1))
-            if at >= 0:
-                hits.append((at, stop))
-        return min(hits) if hits else None
-
-    def _release(self) -> str:
-        """Move the held-back text to `text`, but the last len(longest stop) - 1
-        characters: they may be the start of a stop string, which is never sent."""
-        hold = max((len(s) for s in self.params.stop), default=1) - 1
-        out = self.held[:max(len(self.held) - hold, 0)]
-        self.held = self.held[len(out):]
-        self.text += out
-        return out
-
-    def finish(self, reason: str, now: float | None = None,
-               stop_reason: int | str | None = None) -> str:
-        """End the request ("stop", "length" or "abort"). Returns the held-back text.
-        stop_reason: the stop string or stop id that ended it (None: EOS)."""
-        if reason not in ("stop", "length", "abort"):
-            raise ValueError(f"reason={reason!r}: allowed 'stop', 'length', 'abort'")
-        if reason != "stop" and self.decoder is not None:
-            self.held += self.decoder.flush()  # bytes of an incomplete character
-        rest, self.held = self.held, ""
-        self.text += rest
-        self.status, self.finish_reason = FINISHED, reason
-        self.stop_reason = stop_reason
-        self.finish_time = time.perf_counter() if now is None else now
-        return rest
-
-    def fail(self, message: str, now: float | None = None) -> str:
-        """End the request because of its own error (finish_reason "error"); the
-        message says what went wrong. Its text so far stays; no more comes."""
-        self.error = message
-        self.status, self.finish_reason = FINISHED, "error"
-        self.finish_time = time.perf_counter() if now is None else now
-        return ""
-
     @property
     def is_finished(self) -> bool:
         return self.status == FINISHED
@@ -275,6 +164,134 @@ class Sequence:
             return None
         return self.first_token_time - self.arrival_time
 
+# %% ../chapters/02_naive_loop.ipynb #c049v-s0
+def _create(cls, model, prompt_ids, params: SamplingParams | None = None,
+           tokenizer=None, request_id: str = "0",
+           arrival_time: float | None = None) -> "Sequence":
+    """`model`: the model or its ModelConfig (for the vocabulary, context, EOS)."""
+    params = SamplingParams() if params is None else params
+    ids = check_prompt(model, prompt_ids, params)  # empty, bad ids, too long
+    if params.stop and not callable(getattr(tokenizer, "decode", None)):
+        raise ValueError(f"stop={params.stop} needs a tokenizer with .decode(ids) "
+                         f"to read the text; got tokenizer={tokenizer!r:.60}")
+    stops = frozenset(stop_ids(model, params))
+    vocab = getattr(model, "config", model).vocab_size
+    sampleable = vocab - len({t for t in stops if 0 <= t < vocab})
+    if params.min_tokens and sampleable == 0:
+        raise ValueError(f"the stop ids (EOS and stop_token_ids) cover all {vocab} "
+                         f"token ids, and min_tokens={params.min_tokens} "
+                         "forbids stopping: no token could ever be sampled")
+    decoder = (None if tokenizer is None
+               else text_decoder(tokenizer, params.skip_special_tokens))
+    seq = cls(str(request_id), ids, params, stops, decoder)
+    if params.logprobs is not None:
+        seq.logprobs, seq.cumulative_logprob = [], 0.0
+    if arrival_time is not None:
+        now = time.perf_counter()
+        real = (isinstance(arrival_time, numbers.Real)
+                and not isinstance(arrival_time, bool))
+        if not real or not math.isfinite(arrival_time) or arrival_time > now:
+            raise ValueError(f"arrival_time={arrival_time!r:.40}: give a reading "
+                             "of time.perf_counter(), not in the future "
+                             f"(now: {now:.3f})")
+        seq.arrival_time = float(arrival_time)
+    return seq
+
+
+Sequence.create = classmethod(_create)
+
+# %% ../chapters/02_naive_loop.ipynb #c049v-s1
+def _append(self, token_id: int, now: float | None = None,
+           logprobs: dict | None = None) -> str:
+    """Add one generated id (and its log-probs, {id: Logprob}); apply the stop
+    rules. Returns the new text. If the token cannot be decoded, it raises and the
+    request is as it was."""
+    if self.status == FINISHED:
+        raise RuntimeError(f"request {self.request_id} has finished "
+                           f"({self.finish_reason}); it takes no more tokens")
+    now = time.perf_counter() if now is None else now
+    piece = self.decoder.push(token_id) if self.decoder is not None else ""
+    self.output_ids.append(token_id)
+    self.token_times.append(now)
+    if self.first_token_time is None:
+        self.first_token_time = now
+    if logprobs is not None:
+        self.logprobs.append(logprobs)
+        self.cumulative_logprob += logprobs[token_id].logprob
+    self.held += piece
+    keep = self.params.include_stop_str_in_output
+    if self._may_stop() and token_id in self.stop_ids:  # EOS or a stop id
+        if not keep:  # its text is not part of the answer (vLLM's way)
+            self.held = self.held[:len(self.held) - len(piece)]
+        reason = token_id if token_id in self.params.stop_token_ids else None
+        return self.finish("stop", now, reason)
+    if self._may_stop() and (hit := self._stop_string(len(piece))):
+        at, stop = hit  # the text ends before the stop string, or after it
+        self.held = self.held[:at + len(stop) if keep else at]
+        return self.finish("stop", now, stop)
+    if len(self.output_ids) == self.params.max_tokens:
+        return self.finish("length", now)
+    return self._release()
+
+
+Sequence.append = _append
+
+# %% ../chapters/02_naive_loop.ipynb #c049v-s2
+def _may_stop(self) -> bool:
+    """min_tokens: the first min_tokens new tokens never stop a request."""
+    return len(self.output_ids) > self.params.min_tokens
+
+
+def _stop_string(self, new: int) -> tuple[int, str] | None:
+    """The first stop string that the newest `new` characters completed, and where
+    it starts in the held-back text. Only that text can hold one (see _release)."""
+    hits = []
+    for stop in self.params.stop:
+        at = self.held.find(stop, max(0, len(self.held) - new - len(stop) + 1))
+        if at >= 0:
+            hits.append((at, stop))
+    return min(hits) if hits else None
+
+
+def _release(self) -> str:
+    """Move the held-back text to `text`, but the last len(longest stop) - 1
+    characters: they may be the start of a stop string, which is never sent."""
+    hold = max((len(s) for s in self.params.stop), default=1) - 1
+    out = self.held[:max(len(self.held) - hold, 0)]
+    self.held = self.held[len(out):]
+    self.text += out
+    return out
+
+
+Sequence._may_stop, Sequence._stop_string = _may_stop, _stop_string
+Sequence._release = _release
+
+# %% ../chapters/02_naive_loop.ipynb #c049v-s3
+def _finish(self, reason: str, now: float | None = None,
+           stop_reason: int | str | None = None) -> str:
+    """End the request ("stop", "length" or "abort"). Returns the held-back text.
+    stop_reason: the stop string or stop id that ended it (None: EOS)."""
+    if reason not in ("stop", "length", "abort"):
+        raise ValueError(f"reason={reason!r}: allowed 'stop', 'length', 'abort'")
+    if reason != "stop" and self.decoder is not None:
+        self.held += self.decoder.flush()  # bytes of an incomplete character
+    rest, self.held = self.held, ""
+    self.text += rest
+    self.status, self.finish_reason = FINISHED, reason
+    self.stop_reason = stop_reason
+    self.finish_time = time.perf_counter() if now is None else now
+    return rest
+
+
+def _fail(self, message: str, now: float | None = None) -> str:
+    """End the request because of its own error (finish_reason "error"); the
+    message says what went wrong. Its text so far stays; no more comes."""
+    self.error = message
+    self.status, self.finish_reason = FINISHED, "error"
+    self.finish_time = time.perf_counter() if now is None else now
+    return ""
+
+
 def block_early_stop(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """min_tokens: a row whose request has fewer new tokens than its
     params.min_tokens cannot pick a stop id (EOS or stop_token_ids): those logits
@@ -288,3 +305,6 @@ def block_early_stop(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     for i, ids in rows:
         logits[i, ids] = float("-inf")
     return logits
+
+
+Sequence.finish, Sequence.fail = _finish, _fail

@@ -67,7 +67,7 @@ def cached_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
         attn_mask=causal_mask(meta, S, G))
     return out.reshape(B, H, T, d)
 
-# %% ../../chapters/03_kv_cache.ipynb #c018
+# %% ../../chapters/03_kv_cache.ipynb #c018h
 class KVMemoryError(ValueError):
     """The KV memory asked for is more than the device has free (checked before
     anything is allocated)."""
@@ -81,7 +81,7 @@ def check_kv_fits(need: int, device: torch.device, asked: str, fix: str) -> None
         raise KVMemoryError(f"{asked} needs {need / 2**30:,.2f} GiB; {device} has "
                             f"{free / 2**30:,.2f} GiB free: {fix}")
 
-
+# %% ../../chapters/03_kv_cache.ipynb #c018
 class KVCache:
     """Keys and values of every token seen so far, in buffers allocated once.
 
@@ -122,119 +122,142 @@ class KVCache:
         self.length = 0      # tokens stored so far (per row)
         self.owner = None    # the generation using it now (see generate_tokens)
 
-    @classmethod
-    def from_model(cls, model, max_seq_len: int | None = None,
-                   batch_size: int = 1) -> "KVCache":
-        """A cache for `model`, in its dtype, on its device. Default: whole context."""
-        c, limit = model.config, model.config.context_length
-        if max_seq_len is None:
-            max_seq_len = limit
-        if _positive_int("max_seq_len", max_seq_len) > limit:
-            raise ValueError(f"max_seq_len={max_seq_len} is larger than the model's "
-                             f"context of {limit} positions")
-        w = model.embed_tokens.weight
-        return cls(c.num_layers, c.num_kv_heads, c.head_dim, max_seq_len, batch_size,
-                   w.dtype, w.device)
-
     @property
     def nbytes(self) -> int:
         """Bytes allocated for keys and values (the whole buffers, used or not)."""
         return sum(t.nbytes for t in self.k + self.v)
 
-    def rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V buffers of a layer as [rows, max_seq_len, kv_heads, head_dim]."""
-        n = self.batch_size * self.max_seq_len
-        shape = (self.batch_size, self.max_seq_len) + self.k[layer_idx].shape[1:]
-        return (self.k[layer_idx][:n].view(shape), self.v[layer_idx][:n].view(shape))
+# %% ../../chapters/03_kv_cache.ipynb #c018k-s0
+def _from_model(cls, model, max_seq_len: int | None = None,
+               batch_size: int = 1) -> "KVCache":
+    """A cache for `model`, in its dtype, on its device. Default: whole context."""
+    c, limit = model.config, model.config.context_length
+    if max_seq_len is None:
+        max_seq_len = limit
+    if _positive_int("max_seq_len", max_seq_len) > limit:
+        raise ValueError(f"max_seq_len={max_seq_len} is larger than the model's "
+                         f"context of {limit} positions")
+    w = model.embed_tokens.weight
+    return cls(c.num_layers, c.num_kv_heads, c.head_dim, max_seq_len, batch_size,
+               w.dtype, w.device)
 
-    def reset(self) -> None:
-        """Forget every token. The buffers stay; old values get overwritten."""
-        self.length = 0
 
-    def prepare(self, num_tokens: int) -> StepMeta:
-        """Reserve the next `num_tokens` positions of every row for the coming forward.
+def _rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V buffers of a layer as [rows, max_seq_len, kv_heads, head_dim]."""
+    n = self.batch_size * self.max_seq_len
+    shape = (self.batch_size, self.max_seq_len) + self.k[layer_idx].shape[1:]
+    return (self.k[layer_idx][:n].view(shape), self.v[layer_idx][:n].view(shape))
 
-        Returns the forward's StepMeta: positions, slots, lengths, the last token."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-            raise ValueError(f"num_tokens={num_tokens!r}: must be an int")
-        start, end = self.length, self.length + num_tokens
-        if num_tokens <= 0 or end > self.max_seq_len:
-            raise ValueError(f"cannot add {num_tokens} tokens: the cache holds {start} "
-                             f"of {self.max_seq_len} positions")
-        B, device = self.batch_size, self.positions.device
-        positions = self.positions[start:end].expand(B, num_tokens)
-        rows = torch.arange(B, device=device)[:, None]
-        meta = StepMeta(
-            positions=positions,
-            logits_index=torch.full((B,), num_tokens - 1, device=device),
-            slot_mapping=rows * self.max_seq_len + positions,
-            max_context=end)
-        self.length = end
-        return meta
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
-        """Store this layer's new k, v [B, kv_heads, T, head_dim], then attend.
+def _reset(self) -> None:
+    """Forget every token. The buffers stay; old values get overwritten."""
+    self.length = 0
 
-        q: [B, heads, T, head_dim]. Returns the attention output, shaped like q."""
-        self._check(layer_idx, q, k, v, meta)
-        self.store(layer_idx, k, v, meta.slot_mapping)
-        if layer_idx == len(self.k) - 1:
-            meta.cache["written"] = True  # a StepMeta serves one forward
-        return self.attention(layer_idx, q, meta)
 
-    def attention(self, layer_idx: int, q: torch.Tensor,
-                  meta: StepMeta) -> torch.Tensor:
-        """q over this layer's cached K and V, up to each row's length."""
-        k_all, v_all = self.gather(layer_idx, meta)
-        return cached_attention(q, k_all, v_all, meta)
+KVCache.from_model, KVCache.rows = classmethod(_from_model), _rows
+KVCache.reset = _reset
 
-    def store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
-        """Write each new token's K and V into its slot: no torch.cat, no new tensor."""
-        slots = slot_mapping.reshape(-1)
-        h, d = k.shape[1], k.shape[3]
-        self.k[layer_idx].index_copy_(0, slots, k.transpose(1, 2).reshape(-1, h, d))
-        self.v[layer_idx].index_copy_(0, slots, v.transpose(1, 2).reshape(-1, h, d))
+# %% ../../chapters/03_kv_cache.ipynb #c018-s0
+def _prepare(self, num_tokens: int) -> StepMeta:
+    """Reserve the next `num_tokens` positions of every row for the coming forward.
 
-    def gather(self, layer_idx: int, meta: StepMeta):
-        """What each row attends over: [B, kv_heads, S, head_dim] for K and for V.
+    Returns the forward's StepMeta: positions, slots, lengths, the last token."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise ValueError(f"num_tokens={num_tokens!r}: must be an int")
+    start, end = self.length, self.length + num_tokens
+    if num_tokens <= 0 or end > self.max_seq_len:
+        raise ValueError(f"cannot add {num_tokens} tokens: the cache holds {start} "
+                         f"of {self.max_seq_len} positions")
+    B, device = self.batch_size, self.positions.device
+    positions = self.positions[start:end].expand(B, num_tokens)
+    rows = torch.arange(B, device=device)[:, None]
+    meta = StepMeta(
+        positions=positions,
+        logits_index=torch.full((B,), num_tokens - 1, device=device),
+        slot_mapping=rows * self.max_seq_len + positions,
+        max_context=end)
+    self.length = end
+    return meta
 
-        Row i of the batch reads cache row i (or meta.block_tables[i, 0] if given);
-        only the first S = meta.max_context positions (all of them if None)."""
-        S = meta.max_context or self.max_seq_len
-        k_rows, v_rows = self.rows(layer_idx)
-        k_rows, v_rows = k_rows[:, :S], v_rows[:, :S]
-        if meta.block_tables is None:
-            B = meta.positions.shape[0]
-            k_rows, v_rows = k_rows[:B], v_rows[:B]
-        else:  # copies each row's part: what a per-request slot costs to read
-            rows = meta.block_tables[:, 0]
-            k_rows, v_rows = k_rows.index_select(0, rows), v_rows.index_select(0, rows)
-        return k_rows.transpose(1, 2), v_rows.transpose(1, 2)
 
-    def _check(self, layer_idx, q, k, v, meta) -> None:
-        """A cache is where a mistake stays silent: check before writing."""
-        if not 0 <= layer_idx < len(self.k):  # a negative index would pick a layer
-            raise ValueError(f"layer_idx={layer_idx}: allowed 0 to {len(self.k) - 1}")
-        if not isinstance(meta, StepMeta) or meta.slot_mapping is None:
-            raise ValueError(f"meta={type(meta).__name__}: give the StepMeta of this "
-                             "forward with a slot_mapping (cache.prepare(T) makes one)")
-        if layer_idx == 0 and meta.cache.get("written"):
-            raise ValueError("this StepMeta was used by a forward already; its slots "
-                             "are written: call prepare(T) before each forward")
-        c = self.k[layer_idx]
-        B, T = meta.positions.shape
-        want = (B, c.shape[1], T, c.shape[2])
-        if (k.shape != want or v.shape != k.shape or k.dtype != c.dtype
-                or k.device != c.device):
-            raise ValueError(f"layer {layer_idx}: got k {list(k.shape)} and v "
-                             f"{list(v.shape)}, {k.dtype} on {k.device}; the cache "
-                             f"expects {list(want)}, {c.dtype} on {c.device}")
+KVCache.prepare = _prepare
 
-    def __repr__(self) -> str:
-        _, h, d = self.k[0].shape
-        return (f"KVCache(layers={len(self.k)}, batch={self.batch_size}, kv_heads={h}, "
-                f"max_seq_len={self.max_seq_len}, head_dim={d}, "
-                f"dtype={self.k[0].dtype}, length={self.length}, "
-                f"{self.nbytes / 2**20:.2f} MiB)")
+# %% ../../chapters/03_kv_cache.ipynb #c018-s1
+def _attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+    """Store this layer's new k, v [B, kv_heads, T, head_dim], then attend.
+
+    q: [B, heads, T, head_dim]. Returns the attention output, shaped like q."""
+    self._check(layer_idx, q, k, v, meta)
+    self.store(layer_idx, k, v, meta.slot_mapping)
+    if layer_idx == len(self.k) - 1:
+        meta.cache["written"] = True  # a StepMeta serves one forward
+    return self.attention(layer_idx, q, meta)
+
+
+def _attention(self, layer_idx: int, q: torch.Tensor,
+              meta: StepMeta) -> torch.Tensor:
+    """q over this layer's cached K and V, up to each row's length."""
+    k_all, v_all = self.gather(layer_idx, meta)
+    return cached_attention(q, k_all, v_all, meta)
+
+
+def _store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+          slot_mapping: torch.Tensor) -> None:
+    """Write each new token's K and V into its slot: no torch.cat, no new tensor."""
+    slots = slot_mapping.reshape(-1)
+    h, d = k.shape[1], k.shape[3]
+    self.k[layer_idx].index_copy_(0, slots, k.transpose(1, 2).reshape(-1, h, d))
+    self.v[layer_idx].index_copy_(0, slots, v.transpose(1, 2).reshape(-1, h, d))
+
+
+def _gather(self, layer_idx: int, meta: StepMeta):
+    """What each row attends over: [B, kv_heads, S, head_dim] for K and for V.
+
+    Row i of the batch reads cache row i (or meta.block_tables[i, 0] if given);
+    only the first S = meta.max_context positions (all of them if None)."""
+    S = meta.max_context or self.max_seq_len
+    k_rows, v_rows = self.rows(layer_idx)
+    k_rows, v_rows = k_rows[:, :S], v_rows[:, :S]
+    if meta.block_tables is None:
+        B = meta.positions.shape[0]
+        k_rows, v_rows = k_rows[:B], v_rows[:B]
+    else:  # copies each row's part: what a per-request slot costs to read
+        rows = meta.block_tables[:, 0]
+        k_rows, v_rows = k_rows.index_select(0, rows), v_rows.index_select(0, rows)
+    return k_rows.transpose(1, 2), v_rows.transpose(1, 2)
+
+
+KVCache.attend, KVCache.attention = _attend, _attention
+KVCache.store, KVCache.gather = _store, _gather
+
+# %% ../../chapters/03_kv_cache.ipynb #c018-s2
+def _check(self, layer_idx, q, k, v, meta) -> None:
+    """A cache is where a mistake stays silent: check before writing."""
+    if not 0 <= layer_idx < len(self.k):  # a negative index would pick a layer
+        raise ValueError(f"layer_idx={layer_idx}: allowed 0 to {len(self.k) - 1}")
+    if not isinstance(meta, StepMeta) or meta.slot_mapping is None:
+        raise ValueError(f"meta={type(meta).__name__}: give the StepMeta of this "
+                         "forward with a slot_mapping (cache.prepare(T) makes one)")
+    if layer_idx == 0 and meta.cache.get("written"):
+        raise ValueError("this StepMeta was used by a forward already; its slots "
+                         "are written: call prepare(T) before each forward")
+    c = self.k[layer_idx]
+    B, T = meta.positions.shape
+    want = (B, c.shape[1], T, c.shape[2])
+    if (k.shape != want or v.shape != k.shape or k.dtype != c.dtype
+            or k.device != c.device):
+        raise ValueError(f"layer {layer_idx}: got k {list(k.shape)} and v "
+                         f"{list(v.shape)}, {k.dtype} on {k.device}; the cache "
+                         f"expects {list(want)}, {c.dtype} on {c.device}")
+
+
+def __repr__(self) -> str:
+    _, h, d = self.k[0].shape
+    return (f"KVCache(layers={len(self.k)}, batch={self.batch_size}, kv_heads={h}, "
+            f"max_seq_len={self.max_seq_len}, head_dim={d}, "
+            f"dtype={self.k[0].dtype}, length={self.length}, "
+            f"{self.nbytes / 2**20:.2f} MiB)")
+
+
+KVCache._check, KVCache.__repr__ = _check, __repr__
