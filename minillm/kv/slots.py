@@ -51,66 +51,90 @@ class SlotKVCache(PackedSteps, KVCache):
     def num_free(self) -> int:
         return len(self.free_rows)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Is there a free row? (That the request fits a row is checked on arrival.)"""
-        return bool(self.free_rows)
-
-    def allocate(self, seq: Sequence) -> None:
-        if seq.request_id in self.row_of:
-            raise ValueError(f"request {seq.request_id!r} already holds row "
-                             f"{self.row_of[seq.request_id]}")
-        if seq.max_positions > self.max_seq_len:
-            raise ValueError(f"request {seq.request_id!r} needs {seq.max_positions} "
-                             f"positions; a row holds {self.max_seq_len}")
-        if not self.free_rows:
-            raise RuntimeError("no free row: ask can_allocate first")
-        self.row_of[seq.request_id] = heapq.heappop(self.free_rows)
-
-    def cached_tokens(self, seq: Sequence) -> int:
-        return 0  # nothing is shared: every prefill computes all its tokens
-
-    def num_computed(self, seq: Sequence) -> int:
-        return 0
-
-    def can_append(self, seq: Sequence) -> bool:
-        return seq.request_id in self.row_of  # its row has room for every token
-
-    def append_slot(self, seq: Sequence) -> None:
-        if seq.request_id not in self.row_of:
-            raise ValueError(f"request {seq.request_id!r} holds no row")
-
-    def free(self, seq: Sequence) -> None:
-        row = self.row_of.pop(seq.request_id, None)
-        if row is not None:
-            heapq.heappush(self.free_rows, row)
-
-    def too_long(self, seq: Sequence) -> str | None:
-        """Why a request can never run here (None: it fits a row)."""
-        if seq.max_positions > self.max_seq_len:
-            return (f"request {seq.request_id!r} may need {seq.max_positions} "
-                    "positions; "
-                    f"a row holds {self.max_seq_len}")
-        return None
-
-    def usage(self) -> tuple[int, int]:
-        """Positions reserved for running requests, and positions in all."""
-        return len(self.row_of) * self.max_seq_len, self.batch_size * self.max_seq_len
-
     # --- what the runner asks to build a step's StepMeta ---
-    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """The slots of positions start .. end-1 of `seq`."""
-        base = self.row_of[seq.request_id] * self.max_seq_len
-        return list(range(base + start, base + end))
 
-    def block_table(self, seq: Sequence) -> list[int]:
-        return [self.row_of[seq.request_id]]
+# %% auto #0
+__all__ = ['SlotKVCache']
 
-    def commit(self, seqs: list[Sequence] = ()) -> None:
-        """The step's K/V are in their rows: nothing more to do (nothing is shared)."""
+# %% ../../chapters/04_continuous_batching.ipynb #c14-slots-s0
+def _can_allocate(self, seq: Sequence) -> bool:
+    """Is there a free row? (That the request fits a row is checked on arrival.)"""
+    return bool(self.free_rows)
+
+
+def _allocate(self, seq: Sequence) -> None:
+    if seq.request_id in self.row_of:
+        raise ValueError(f"request {seq.request_id!r} already holds row "
+                         f"{self.row_of[seq.request_id]}")
+    if seq.max_positions > self.max_seq_len:
+        raise ValueError(f"request {seq.request_id!r} needs {seq.max_positions} "
+                         f"positions; a row holds {self.max_seq_len}")
+    if not self.free_rows:
+        raise RuntimeError("no free row: ask can_allocate first")
+    self.row_of[seq.request_id] = heapq.heappop(self.free_rows)
+
+
+def _cached_tokens(self, seq: Sequence) -> int:
+    return 0  # nothing is shared: every prefill computes all its tokens
+
+
+def _num_computed(self, seq: Sequence) -> int:
+    return 0
+
+
+def _can_append(self, seq: Sequence) -> bool:
+    return seq.request_id in self.row_of  # its row has room for every token
+
+
+def _append_slot(self, seq: Sequence) -> None:
+    if seq.request_id not in self.row_of:
+        raise ValueError(f"request {seq.request_id!r} holds no row")
+
+
+def _free(self, seq: Sequence) -> None:
+    row = self.row_of.pop(seq.request_id, None)
+    if row is not None:
+        heapq.heappush(self.free_rows, row)
+
+
+def _too_long(self, seq: Sequence) -> str | None:
+    """Why a request can never run here (None: it fits a row)."""
+    if seq.max_positions > self.max_seq_len:
+        return (f"request {seq.request_id!r} may need {seq.max_positions} "
+                "positions; "
+                f"a row holds {self.max_seq_len}")
+    return None
+
+
+def _usage(self) -> tuple[int, int]:
+    """Positions reserved for running requests, and positions in all."""
+    return len(self.row_of) * self.max_seq_len, self.batch_size * self.max_seq_len
+
+
+SlotKVCache.can_allocate, SlotKVCache.allocate = _can_allocate, _allocate
+SlotKVCache.cached_tokens, SlotKVCache.num_computed = _cached_tokens, _num_computed
+SlotKVCache.can_append, SlotKVCache.append_slot = _can_append, _append_slot
+SlotKVCache.free, SlotKVCache.too_long = _free, _too_long
+SlotKVCache.usage = _usage
+
+# %% ../../chapters/04_continuous_batching.ipynb #c14-slots-s1
+def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+    """The slots of positions start .. end-1 of `seq`."""
+    base = self.row_of[seq.request_id] * self.max_seq_len
+    return list(range(base + start, base + end))
+
+
+def _block_table(self, seq: Sequence) -> list[int]:
+    return [self.row_of[seq.request_id]]
+
+
+def _commit(self, seqs: list[Sequence] = ()) -> None:
+    """The step's K/V are in their rows: nothing more to do (nothing is shared)."""
+
+
+SlotKVCache.slots, SlotKVCache.block_table = _slots, _block_table
+SlotKVCache.commit = _commit
 
 
 register_kv_backend("slots", lambda model, max_num_seqs, max_model_len, *_:
                     SlotKVCache.from_model(model, max_num_seqs, max_model_len))
-
-# %% auto #0
-__all__ = ['SlotKVCache']
