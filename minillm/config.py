@@ -131,23 +131,26 @@ class ModelConfig:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)
 
-    @classmethod
-    def from_hf(cls, config: dict | str | os.PathLike) -> "ModelConfig":
-        """Read a Hugging Face config.json (a dict, the file, or the folder with it)."""
-        generation, source = _Fields({}, "generation_config"), "config"
-        if not isinstance(config, (dict, str, os.PathLike)):
-            raise ValueError(f"config is a {type(config).__name__}; give a dict, "
-                             "a config.json or its folder")
-        if not isinstance(config, dict):
-            path = Path(config)
-            path = path / "config.json" if path.is_dir() else path
-            if not path.is_file():
-                raise FileNotFoundError(f"no config.json at {path}")
-            config, source = _read_json(path), str(path)
-            gen_path = path.parent / "generation_config.json"  # more EOS ids
-            if gen_path.is_file():
-                generation = _Fields(_read_json(gen_path), str(gen_path))
-        return _parse_config(_Fields(dict(config), source), generation, cls)
+# %% ../chapters/02_naive_loop.ipynb #c011-s0
+def _from_hf(cls, config: dict | str | os.PathLike) -> "ModelConfig":
+    """Read a Hugging Face config.json (a dict, the file, or the folder with it)."""
+    generation, source = _Fields({}, "generation_config"), "config"
+    if not isinstance(config, (dict, str, os.PathLike)):
+        raise ValueError(f"config is a {type(config).__name__}; give a dict, "
+                         "a config.json or its folder")
+    if not isinstance(config, dict):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        config, source = _read_json(path), str(path)
+        gen_path = path.parent / "generation_config.json"  # more EOS ids
+        if gen_path.is_file():
+            generation = _Fields(_read_json(gen_path), str(gen_path))
+    return _parse_config(_Fields(dict(config), source), generation, cls)
+
+
+ModelConfig.from_hf = classmethod(_from_hf)
 
 # %% ../chapters/02_naive_loop.ipynb #c011b
 def _parse_config(f: _Fields, generation: _Fields, cls=ModelConfig) -> ModelConfig:

@@ -17,9 +17,9 @@ from .loader import QUANTIZATIONS
 
 # %% auto #0
 __all__ = ['MODES', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'exact_int8_matmul', 'int8_matmul',
-           'Int8Int8Linear', 'fbgemm_missing', 'FbgemmLinear', 'is_quantized', 'import_bitsandbytes', 'bnb_missing',
-           'bnb_from_linear', 'quantize', 'checked_ids', 'perplexity', 'int8_layers_on_meta', 'activation_absmax',
-           'smooth_groups', 'smooth', 'gguf_quantize', 'gguf_round_trip']
+           'Int8Int8Linear', 'fbgemm_missing', 'FbgemmLinear', 'quantize', 'is_quantized', 'import_bitsandbytes',
+           'bnb_missing', 'bnb_from_linear', 'quantize_targets', 'checked_ids', 'perplexity', 'int8_layers_on_meta',
+           'activation_absmax', 'smooth_groups', 'smooth', 'gguf_quantize', 'gguf_round_trip']
 
 # %% ../chapters/05_int8.ipynb #c11-absmax
 def absmax_quantize(w: torch.Tensor, group_size: int | None = None
@@ -237,6 +237,31 @@ MODES = {"w8a16": Int8Linear, "w8a8": Int8Int8Linear, "fbgemm": FbgemmLinear,
          "bnb-int8": None}
 
 
+def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = None,
+             skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
+    """Swap the model's nn.Linear layers for int8 ones, in place; returns the model.
+
+    mode: "w8a16" (int8 weights, float activations), "w8a8" (activations quantized per
+    token too), "fbgemm" (W8A8 with PyTorch's CPU kernel) or "bnb-int8" (bitsandbytes'
+    LLM.int8(), outlier threshold 6.0).
+    group_size: one scale per that many inputs (w8a16 only); None: one per output
+    channel. skip: layers left in float, by name ("lm_head") or full path
+    ("layers.0.mlp.down_proj"). Bad input raises ValueError and changes nothing.
+    """
+    targets = quantize_targets(model, mode, group_size, skip)  # checks all first
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if mode == "bnb-int8":
+            new = bnb_from_linear(linear)
+        elif mode == "fbgemm":
+            new = FbgemmLinear(linear)
+        else:
+            new = MODES[mode].from_linear(linear, group_size)
+        setattr(parent, child, new)
+    return model
+
+# %% ../chapters/05_int8.ipynb #c41-bnb
 def is_quantized(model: nn.Module) -> bool:
     """Whether any layer of the model holds int8 weights (ours or bitsandbytes')."""
     return any(isinstance(m, (Int8Linear, FbgemmLinear))
@@ -286,17 +311,9 @@ def bnb_from_linear(linear: nn.Linear, threshold: float = 6.0) -> nn.Module:
     return layer.to(w.device)  # bitsandbytes quantizes the weight when it moves
 
 
-def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = None,
-             skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
-    """Swap the model's nn.Linear layers for int8 ones, in place; returns the model.
-
-    mode: "w8a16" (int8 weights, float activations), "w8a8" (activations quantized per
-    token too), "fbgemm" (W8A8 with PyTorch's CPU kernel) or "bnb-int8" (bitsandbytes'
-    LLM.int8(), outlier threshold 6.0).
-    group_size: one scale per that many inputs (w8a16 only); None: one per output
-    channel. skip: layers left in float, by name ("lm_head") or full path
-    ("layers.0.mlp.down_proj"). Bad input raises ValueError and changes nothing.
-    """
+def quantize_targets(model, mode: str, group_size, skip) -> list[tuple[str, nn.Module]]:
+    """quantize's checks, all before any layer changes; returns the (name, layer)
+    pairs to swap."""
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode={mode!r}: give one of {sorted(MODES)}")
     if not isinstance(model, nn.Module):
@@ -335,17 +352,7 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
         if not (math.isfinite(low) and math.isfinite(high)):  # no scale
             raise ValueError(f"{name}.weight holds NaN or inf: quantizing would hide "
                              "that; check the checkpoint (torch.isfinite)")
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        if mode == "bnb-int8":
-            new = bnb_from_linear(linear)
-        elif mode == "fbgemm":
-            new = FbgemmLinear(linear)
-        else:
-            new = MODES[mode].from_linear(linear, group_size)
-        setattr(parent, child, new)
-    return model
+    return targets
 
 # %% ../chapters/05_int8.ipynb #c54-eval
 def checked_ids(model: nn.Module, ids, window) -> torch.Tensor:

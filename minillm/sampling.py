@@ -33,8 +33,9 @@ def _as_tuple(x, name: str) -> tuple:
     return tuple(x)
 
 # %% auto #0
-__all__ = ['MIN_TEMPERATURE', 'MIN_PENALTY', 'MAX_TEMPERATURE', 'MAX_PENALTY', 'MAX_LOGPROBS', 'SamplingParams', 'make_generator',
-           'apply_repetition_penalty', 'apply_presence_frequency', 'NonFiniteLogitsError', 'filter_logits', 'sample']
+__all__ = ['MIN_TEMPERATURE', 'MIN_PENALTY', 'MAX_TEMPERATURE', 'MAX_PENALTY', 'MAX_LOGPROBS', 'SamplingParams',
+           'check_sampling_params', 'make_generator', 'apply_repetition_penalty', 'apply_presence_frequency',
+           'NonFiniteLogitsError', 'filter_logits', 'sample']
 
 # %% ../chapters/02_naive_loop.ipynb #c035p
 @dataclass(frozen=True)
@@ -63,60 +64,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave <|im_end|> & co. out of the text
     include_stop_str_in_output: bool = False  # keep the stop string in the text
 
-    def __post_init__(self):
-        def bad(name, allowed):
-            value = getattr(self, name)
-            raise ValueError(f"{name}={value!r} is not allowed; "
-                             f"{name} must be {allowed}")
-        def put(name, value):  # a frozen dataclass sets its fields through object
-            object.__setattr__(self, name, value)
-
-        for name in ("n", "max_tokens"):
-            if not _int(getattr(self, name)) or getattr(self, name) < 1:
-                bad(name, "an int >= 1")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not _real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
-                bad(name, "a number in [-2, 2] (0 = off)")
-        r = self.repetition_penalty
-        if not _real(r) or not MIN_PENALTY <= r <= MAX_PENALTY:
-            bad("repetition_penalty", f"in [{MIN_PENALTY}, {MAX_PENALTY}] (1 = off)")
-        t = self.temperature
-        if not _real(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
-            bad("temperature",
-                f"0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
-        if not _real(self.top_p) or not 0 < self.top_p <= 1:
-            bad("top_p", "a number in (0, 1] (1 = off)")
-        if not _int(self.top_k) or self.top_k < -1:
-            bad("top_k", "an int >= 0 (0 or -1 = off)")
-        if not _real(self.min_p) or not 0 <= self.min_p <= 1:
-            bad("min_p", "a number in [0, 1] (0 = off)")
-        if self.seed is not None and not (_int(self.seed) and 0 <= self.seed < 2**64):
-            bad("seed", "None or an int in [0, 2**64)")
-        stop = _as_tuple(self.stop, "stop")
-        if not all(isinstance(s, str) and s for s in stop):
-            bad("stop", "a list of non-empty strings")
-        ids = _as_tuple(self.stop_token_ids, "stop_token_ids")
-        if not all(_int(t) and t >= 0 for t in ids):
-            bad("stop_token_ids", "a list of token ids (ints >= 0)")
-        m = self.min_tokens
-        if not _int(m) or not 0 <= m <= self.max_tokens:
-            bad("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
-        k = self.logprobs
-        if k is not None and not (_int(k) and 0 <= k <= MAX_LOGPROBS):
-            bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                bad(name, "True or False")
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "temperature", "top_p", "min_p"):
-            put(name, float(getattr(self, name)))  # numpy numbers become plain floats
-        for name in ("n", "max_tokens", "min_tokens"):
-            put(name, int(getattr(self, name)))
-        put("top_k", max(int(self.top_k), 0))  # -1 (vLLM's old "off") is 0
-        put("seed", None if self.seed is None else int(self.seed))
-        put("logprobs", None if k is None else int(k))
-        put("stop", stop)
-        put("stop_token_ids", tuple(int(t) for t in ids))
+    def __post_init__(self):  # every field checked and normalised (hidden below)
+        check_sampling_params(self)
 
     @property
     def greedy(self) -> bool:
@@ -127,6 +76,64 @@ class SamplingParams:
         """Does any penalty need the tokens seen so far?"""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+# %% ../chapters/02_naive_loop.ipynb #c035q
+def check_sampling_params(self: SamplingParams) -> None:
+    """Each field's check, with a message that names the value and what is allowed;
+    numbers become plain Python ints and floats, lists become tuples."""
+    def bad(name, allowed):
+        value = getattr(self, name)
+        raise ValueError(f"{name}={value!r} is not allowed; "
+                         f"{name} must be {allowed}")
+    def put(name, value):  # a frozen dataclass sets its fields through object
+        object.__setattr__(self, name, value)
+
+    for name in ("n", "max_tokens"):
+        if not _int(getattr(self, name)) or getattr(self, name) < 1:
+            bad(name, "an int >= 1")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not _real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+            bad(name, "a number in [-2, 2] (0 = off)")
+    r = self.repetition_penalty
+    if not _real(r) or not MIN_PENALTY <= r <= MAX_PENALTY:
+        bad("repetition_penalty", f"in [{MIN_PENALTY}, {MAX_PENALTY}] (1 = off)")
+    t = self.temperature
+    if not _real(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        bad("temperature",
+            f"0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
+    if not _real(self.top_p) or not 0 < self.top_p <= 1:
+        bad("top_p", "a number in (0, 1] (1 = off)")
+    if not _int(self.top_k) or self.top_k < -1:
+        bad("top_k", "an int >= 0 (0 or -1 = off)")
+    if not _real(self.min_p) or not 0 <= self.min_p <= 1:
+        bad("min_p", "a number in [0, 1] (0 = off)")
+    if self.seed is not None and not (_int(self.seed) and 0 <= self.seed < 2**64):
+        bad("seed", "None or an int in [0, 2**64)")
+    stop = _as_tuple(self.stop, "stop")
+    if not all(isinstance(s, str) and s for s in stop):
+        bad("stop", "a list of non-empty strings")
+    ids = _as_tuple(self.stop_token_ids, "stop_token_ids")
+    if not all(_int(t) and t >= 0 for t in ids):
+        bad("stop_token_ids", "a list of token ids (ints >= 0)")
+    m = self.min_tokens
+    if not _int(m) or not 0 <= m <= self.max_tokens:
+        bad("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
+    k = self.logprobs
+    if k is not None and not (_int(k) and 0 <= k <= MAX_LOGPROBS):
+        bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        if not isinstance(getattr(self, name), bool):
+            bad(name, "True or False")
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "temperature", "top_p", "min_p"):
+        put(name, float(getattr(self, name)))  # numpy numbers become plain floats
+    for name in ("n", "max_tokens", "min_tokens"):
+        put(name, int(getattr(self, name)))
+    put("top_k", max(int(self.top_k), 0))  # -1 (vLLM's old "off") is 0
+    put("seed", None if self.seed is None else int(self.seed))
+    put("logprobs", None if k is None else int(k))
+    put("stop", stop)
+    put("stop_token_ids", tuple(int(t) for t in ids))
 
 
 def make_generator(params: SamplingParams,

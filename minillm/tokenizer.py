@@ -963,7 +963,7 @@ def _read_tokenizer_json(spec) -> dict:
                 pre_tokenizers=pre, decoders=decoders,
                 prefix_tokens=prefix, suffix_tokens=suffix)
 
-# %% ../chapters/01_tokenizer.ipynb #c036c
+# %% ../chapters/01_tokenizer.ipynb #c036c-rules
 def _split(pattern: str) -> dict:
     return {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
             "invert": False}
@@ -1046,7 +1046,7 @@ def _read_chat_template(config: dict, folder: Path) -> str | None:
                          "a Jinja2 string")
     return template
 
-
+# %% ../chapters/01_tokenizer.ipynb #c036c
 @classmethod
 def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
     """Load a `tokenizer.json` (a file, or the folder that holds it), with the BOS, EOS
@@ -1085,6 +1085,7 @@ def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise TokenizerFileError(f"{path}: {e}") from None
+
 
 Tokenizer.from_pretrained = _from_pretrained
 
