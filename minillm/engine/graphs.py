@@ -241,7 +241,7 @@ def enable_cuda_graphs(engine, buckets: list[int] | None = None,
     engine.runner = runner
     return runner
 
-
+# %% ../../chapters/07_performance.ipynb #c46c-graphs
 def cuda_graphs_option(on: bool):
     """LLMEngine(..., cuda_graphs=True), checked before the engine is built; after,
     its decode steps go through CUDA graphs (vLLM records them unless

@@ -253,6 +253,9 @@ def _step(self) -> list[RequestOutput]:
     return list(outputs.values())
 
 
+LLMEngine.step = _step
+
+# %% ../../chapters/04_continuous_batching.ipynb #c43d2-record
 def _delta(self, outputs: dict, seq: Sequence, text: str, new: list[int],
            logprobs: dict | None) -> None:
     """Add what this step gave `seq` to its request's RequestOutput."""
@@ -265,9 +268,6 @@ def _delta(self, outputs: dict, seq: Sequence, text: str, new: list[int],
         seq.stop_reason, seq.error))
 
 
-LLMEngine.step, LLMEngine._delta = _step, _delta
-
-# %% ../../chapters/04_continuous_batching.ipynb #c43d2-record
 def _decode_logprobs(self, logprobs: dict) -> None:
     """Each Logprob gets its token's text (vLLM's decoded_token)."""
     if self.tokenizer is not None:
@@ -290,7 +290,8 @@ def _record(self, batch, start: float, end: float, useful: int,
         kv_reserved=reserved, kv_capacity=capacity))
 
 
-LLMEngine._decode_logprobs, LLMEngine._record = _decode_logprobs, _record
+LLMEngine._delta, LLMEngine._decode_logprobs = _delta, _decode_logprobs
+LLMEngine._record = _record
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43f-engine
 def _abort(self, request_id: str) -> RequestOutput:
