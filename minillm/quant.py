@@ -19,7 +19,7 @@ from .loader import QUANTIZATIONS
 __all__ = ['MODES', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'exact_int8_matmul', 'int8_matmul',
            'Int8Int8Linear', 'fbgemm_missing', 'FbgemmLinear', 'quantize', 'is_quantized', 'import_bitsandbytes',
            'bnb_missing', 'bnb_from_linear', 'quantize_targets', 'checked_ids', 'perplexity', 'int8_layers_on_meta',
-           'activation_absmax', 'smooth_groups', 'smooth', 'gguf_quantize', 'gguf_round_trip']
+           'activation_absmax', 'smooth_groups', 'smooth', 'smooth_plan', 'gguf_quantize', 'gguf_round_trip']
 
 # %% ../chapters/05_int8.ipynb #c11-absmax
 def absmax_quantize(w: torch.Tensor, group_size: int | None = None
@@ -501,6 +501,27 @@ def smooth(model: nn.Module, act_max: dict[str, torch.Tensor],
     the float model computes the same function, with no extra operation.
     Returns {the module that makes the input: s}.
     """
+    plan = smooth_plan(model, act_max, alpha)  # every check first (hidden below)
+    scales = {}
+    for source, src, lins, x in plan:
+        w = torch.cat([m.weight.detach() for m in lins]).abs().amax(0).float()
+        x = x.to(w.device).float().clamp(min=1e-5)
+        s = (x.pow(alpha) / w.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+        if isinstance(src, nn.Linear):  # up_proj: output j is down's input j
+            src.weight.div_(s[:, None].to(src.weight.dtype))
+            if src.bias is not None:
+                src.bias.div_(s.to(src.bias.dtype))
+        else:  # an RMSNorm: weight * x / rms(x)
+            src.weight.div_(s.to(src.weight.dtype))
+        for m in lins:
+            m.weight.mul_(s.to(m.weight.dtype))
+        scales[source] = s
+    return scales
+
+# %% ../chapters/05_int8.ipynb #s20b-smooth-plan
+def smooth_plan(model: nn.Module, act_max: dict, alpha: float) -> list[tuple]:
+    """smooth()'s checks, all before any weight changes: the (name, module that makes
+    the input, the linear layers that read it, its channel maxima) of every group."""
     if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
             or not 0 <= alpha <= 1):
         raise ValueError(f"alpha={alpha!r}: give a number in [0, 1] "
@@ -540,21 +561,7 @@ def smooth(model: nn.Module, act_max: dict[str, torch.Tensor],
                              f" non-negative channel maxima of "
                              f"activation_absmax; got {got}")
         plan.append((source, src, lins, x))
-    scales = {}
-    for source, src, lins, x in plan:
-        w = torch.cat([m.weight.detach() for m in lins]).abs().amax(0).float()
-        x = x.to(w.device).float().clamp(min=1e-5)
-        s = (x.pow(alpha) / w.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
-        if isinstance(src, nn.Linear):  # up_proj: output j is down's input j
-            src.weight.div_(s[:, None].to(src.weight.dtype))
-            if src.bias is not None:
-                src.bias.div_(s.to(src.bias.dtype))
-        else:  # an RMSNorm: weight * x / rms(x)
-            src.weight.div_(s.to(src.weight.dtype))
-        for m in lins:
-            m.weight.mul_(s.to(m.weight.dtype))
-        scales[source] = s
-    return scales
+    return plan
 
 # %% ../chapters/05_int8.ipynb #f10-quant
 def _roundf(v: torch.Tensor) -> torch.Tensor:

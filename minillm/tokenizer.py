@@ -133,7 +133,7 @@ def learn_merges(word_counts: dict[bytes, int], num_merges: int, first_id: int =
                 del pair_counts[p]
     return merges
 
-# %% ../chapters/01_tokenizer.ipynb #c023
+# %% ../chapters/01_tokenizer.ipynb #c023-head
 SPACE_MARK = "\u2581"   # '▁': how SentencePiece-style vocabularies write a space
 
 
@@ -164,7 +164,7 @@ def _vocab_token_bytes(token: str) -> bytes:
     except KeyError:
         return token.encode("utf-8")
 
-
+# %% ../chapters/01_tokenizer.ipynb #c023
 class Tokenizer:
     """A BPE tokenizer: byte-level (GPT-2, Llama 3, Qwen2) or SentencePiece-style with
     byte fallback (Llama 2, Mistral, TinyLlama).
