@@ -68,10 +68,17 @@ def state(engine: LLMEngine) -> tuple:
 
 
 def assert_drained(engine: LLMEngine) -> None:
-    """No request left anywhere, no row held: nothing leaked."""
+    """No request left anywhere, no row or block held: nothing leaked."""
     assert not engine.has_unfinished()
     assert not engine.scheduler.waiting and not engine.scheduler.running
-    assert engine.kv.row_of == {} and engine.kv.num_free == engine.kv.batch_size
+    assert engine.kv.usage()[0] == 0
+    if hasattr(engine.kv, "row_of"):  # chapter 4's slots
+        assert engine.kv.row_of == {} and engine.kv.num_free == engine.kv.batch_size
+    else:  # the default backend: chapter 6's blocks
+        blocks = engine.kv.blocks
+        blocks.check()
+        assert not blocks.tables and not blocks.request_keys and not blocks.pending
+        assert engine.kv.num_free == engine.kv.num_blocks
     assert engine.runner.generators == {}
 
 
@@ -236,13 +243,15 @@ def random_requests(rng: random.Random, n: int, spread: int, eos_prompts=()) -> 
     return out
 
 
+@pytest.mark.parametrize("kv_cache", ["slots", None])  # None: the default (paged)
 @pytest.mark.parametrize("max_num_seqs", [1, 2, 3, 8])
-def test_engine_greedy_equals_solo(model, eos_prompts, max_num_seqs):
+def test_engine_greedy_equals_solo(model, eos_prompts, max_num_seqs, kv_cache):
     solo = Solo(model)
     reasons = []
     for seed, spread in [(0, 0), (1, 6), (2, 20)]:  # all at once, or arriving over steps
         requests = random_requests(random.Random(seed), 12, spread, eos_prompts)
-        engine = LLMEngine(model, max_num_seqs=max_num_seqs)
+        engine = LLMEngine(model, max_num_seqs=max_num_seqs, kv_cache=kv_cache)
+        assert hasattr(engine.kv, "blocks") == (kv_cache is None)  # None: paged
         results = drive(engine, requests)
         for rid, (prompt, params, streamed, seq) in results.items():
             want = solo(prompt, params)
@@ -309,7 +318,8 @@ def mixed_params(solo_greedy: list[int], tokenizer) -> list[SamplingParams]:
     ]
 
 
-def test_sampling_per_request_params_and_seeds(shakespeare):
+@pytest.mark.parametrize("kv_cache", ["slots", None])  # None: the default (paged)
+def test_sampling_per_request_params_and_seeds(shakespeare, kv_cache):
     model, tok = shakespeare
     solo = Solo(model, tok)
     prompts = [tok.encode(t) for t in ("ROMEO:\nWhat light", "KING", "First Citizen:\n",
@@ -320,7 +330,7 @@ def test_sampling_per_request_params_and_seeds(shakespeare):
     cases[6], cases[7] = (prompts[0], params[6]), (prompts[0], params[7])  # from `base`
     runs = []
     for _ in range(2):
-        engine = LLMEngine(model, tok, max_num_seqs=4)
+        engine = LLMEngine(model, tok, max_num_seqs=4, kv_cache=kv_cache)
         requests = [(i // 3, p, sp) for i, (p, sp) in enumerate(cases)]
         results = drive(engine, requests)
         runs.append({rid: r[2] for rid, r in results.items()})
