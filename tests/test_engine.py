@@ -414,6 +414,7 @@ def test_auto_ids_never_collide_with_given_ids(model):
     ({"max_model_len": 0}, "max_model_len"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
     ({"policy": "fifo"}, "policy"),
+    ({"policy": "fifo", "kv_cache": None}, "policy='fifo'"),  # before the default's lookup
 ])
 def test_bad_engine_args(model, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -13,16 +13,17 @@ import torch
 import minillm.kv.slots  # noqa: F401  (registers kv_cache="slots")
 from .outputs import CompletionOutput, RequestOutput, StepRecord
 from .runner import ModelRunner
-from .scheduler import Scheduler
+from .scheduler import Scheduler, check_policy
 from ..kv.base import make_kv
 from ..sampling import SamplingParams
 from ..sequence import RUNNING, Sequence
 
 
 def check_engine_args(model, tokenizer, max_num_seqs, max_num_batched_tokens,
-                      max_model_len) -> tuple[int, int]:
+                      max_model_len, policy) -> tuple[int, int]:
     """LLMEngine's arguments checked before anything is built. Returns
     max_model_len and max_num_batched_tokens with their defaults filled in."""
+    check_policy(policy)
     from minillm.model import Transformer
     if not isinstance(model, Transformer):
         raise ValueError(f"model={model!r:.60} is not a minillm Transformer: load "
@@ -80,7 +81,8 @@ class LLMEngine:
                  kv_cache: str | None = None, enable_chunked_prefill: bool = True,
                  **options):
         max_model_len, max_num_batched_tokens = check_engine_args(
-            model, tokenizer, max_num_seqs, max_num_batched_tokens, max_model_len)
+            model, tokenizer, max_num_seqs, max_num_batched_tokens, max_model_len,
+            policy)
         later = [ENGINE_OPTIONS[k](options.pop(k)) for k in list(options)
                  if k in ENGINE_OPTIONS]  # checked now, applied at the end
         self.model, self.tokenizer = model.eval(), tokenizer

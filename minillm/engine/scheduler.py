@@ -29,8 +29,13 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(self.num_new)
 
+
+def check_policy(policy) -> None:
+    if policy not in ("continuous", "static"):
+        raise ValueError(f"policy={policy!r}: allowed 'continuous' or 'static'")
+
 # %% auto #0
-__all__ = ['Batch', 'Scheduler']
+__all__ = ['Batch', 'check_policy', 'Scheduler']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21c-scheduler
 class Scheduler:
@@ -55,8 +60,7 @@ class Scheduler:
 
     def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "continuous", enable_chunked_prefill: bool = True):
-        if policy not in ("continuous", "static"):
-            raise ValueError(f"policy={policy!r}: allowed 'continuous' or 'static'")
+        check_policy(policy)
         if not isinstance(enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: "
                              "must be True or False")
