@@ -13,6 +13,7 @@ import torch
 
 from helpers import drive, greedy
 from minillm.engine import LLMEngine
+from minillm.engine.paged_scheduler import PagedScheduler
 from minillm.engine.scheduler import Batch, Scheduler
 from minillm.generate import generate
 from minillm.kv.paged import PagedKVCache
@@ -222,7 +223,7 @@ def test_random_arrivals_with_chunks_give_solo_tokens(model, seed):
 def test_a_victim_scheduled_earlier_in_the_step_leaves_the_batch(model):
     """With a victim policy that preempts the oldest running request, the victim may
     have been given its token earlier in the same step: it must leave the batch."""
-    class OldestFirst(Scheduler):
+    class OldestFirst(PagedScheduler):
         def victim(self):
             return self.running[0]
     engine = LLMEngine(model, max_num_seqs=4, max_model_len=64, kv_cache="paged",

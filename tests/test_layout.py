@@ -16,6 +16,7 @@ from minillm.bench import results
 from minillm.bench.cli import BENCHMARKS, dispatch
 from minillm.engine import LLMEngine
 from minillm.engine.runner import ModelRunner
+from minillm.engine.paged_scheduler import PagedScheduler
 from minillm.engine.scheduler import Scheduler
 from minillm.kv.base import KVBackend
 from minillm.kv.paged import PagedKVCache
@@ -78,7 +79,7 @@ def test_each_chapter_benchmark_imports_only_the_shared_modules():
 
 def protocol_members() -> list[str]:
     return [n for n in dir(KVBackend) if not n.startswith("_")
-            and n not in ("pad_slot", "prefix_caching", "grows_per_token")]
+            and n != "pad_slot"]
 
 
 @pytest.mark.parametrize("backend", ["slots", "paged"])
@@ -86,10 +87,9 @@ def test_every_backend_implements_the_whole_interface(model, backend):
     kv = (SlotKVCache.from_model(model, 2, 64) if backend == "slots"
           else PagedKVCache.from_model(model, num_blocks=8, block_size=4))
     assert isinstance(kv, KVBackend)
-    assert isinstance(kv.pad_slot, int) and isinstance(kv.prefix_caching, bool)
-    assert kv.grows_per_token is (backend == "paged")
+    assert isinstance(kv.pad_slot, int)
     members = protocol_members()
-    assert {"attend", "can_allocate", "commit", "num_computed", "slots"} <= set(members)
+    assert {"attend", "can_allocate", "allocate", "commit", "slots"} <= set(members)
     for name in members:
         ours, theirs = getattr(type(kv), name), getattr(KVBackend, name)
         if isinstance(theirs, property):
@@ -108,8 +108,12 @@ def test_a_class_missing_one_call_is_not_a_backend(model):
 
 @pytest.mark.parametrize("backend", ["slots", "paged"])
 def test_one_scheduler_and_one_runner_serve_every_backend(model, backend):
+    """Chapter 4's runner on either backend; chapter 4's scheduler on slots, and on
+    blocks the subclass the paged backend registers (preemption, shared prompts)."""
     engine = LLMEngine(model, max_num_seqs=4, max_model_len=128, kv_cache=backend)
-    assert type(engine.scheduler) is Scheduler and type(engine.runner) is ModelRunner
+    assert type(engine.runner) is ModelRunner
+    want = Scheduler if backend == "slots" else PagedScheduler
+    assert type(engine.scheduler) is want and isinstance(engine.scheduler, Scheduler)
     assert engine.scheduler.kv is engine.kv is engine.runner.kv
 
 
@@ -247,3 +251,15 @@ def test_no_import_cycles_in_minillm():
 
 def test_the_tokenizer_imports_nothing_else_of_ours():
     assert module_graph()["minillm.tokenizer"] == set()
+
+
+def test_chapter_4_carries_no_machinery_of_chapter_6(model):
+    """Issue 37: preemption and shared prompts arrive with blocks (chapter 6), in the
+    scheduler the paged backend registers; chapter 4's classes do not anticipate them."""
+    for name in ("preempt", "victim", "held", "num_preemptions", "_release"):
+        assert not hasattr(Scheduler(None, 4, 64), name), name
+        assert hasattr(PagedScheduler(None, 4, 64), name), name
+    for name in ("fork", "can_append", "append_slot", "check_weights"):
+        assert not hasattr(SlotKVCache, name), name
+    engine = LLMEngine(model, max_num_seqs=2, max_model_len=64, kv_cache="slots")
+    assert not hasattr(engine, "held") and engine.reset_prefix_cache() is False

@@ -31,7 +31,8 @@ def bundled():
 
 
 def drained(engine: LLMEngine) -> None:
-    assert not engine.requests and not engine.groups and not engine.held
+    assert not engine.requests and not engine.groups
+    assert not getattr(engine.scheduler, "held", None)
     assert not engine.has_unfinished() and engine.kv.usage()[0] == 0
     if hasattr(engine.kv, "blocks"):
         engine.kv.blocks.check()
@@ -281,7 +282,7 @@ def test_greedy_n_answers_are_equal_and_aborts_free_every_block(bundled):
     assert len({tuple(o.token_ids) for o in request.outputs}) == 1
     engine = llm.engine
     rid = engine.add_request(PROMPT, greedy(50, n=3, ignore_eos=True))
-    assert engine.held  # answers 1 and 2 wait for the prompt
+    assert engine.scheduler.held  # answers 1 and 2 wait for the prompt
     aborted = engine.abort(rid)  # before anything ran
     assert [o.finish_reason for o in aborted.outputs] == ["abort"] * 3
     engine.pop(rid)

@@ -4,6 +4,7 @@ step runs one batched forward. Exported from chapters/04_continuous_batching.ipy
 
     outputs.py     CompletionOutput, RequestOutput, StepRecord: what the engine hands back
     scheduler.py   Scheduler: who runs this step, and how many tokens each computes
+    paged_scheduler.py  PagedScheduler (chapter 6): preemption, answers sharing a prompt
     runner.py      ModelRunner: a batch -> one forward -> sampled tokens (graphs.py: ch. 7)
     llm_engine.py  LLMEngine: add_request, step, abort
     llm.py         LLM: the offline front door (generate, chat, stream)

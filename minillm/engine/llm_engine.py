@@ -8,15 +8,13 @@ import dataclasses
 import itertools
 import time
 
-import torch
-
 import minillm.kv.slots  # noqa: F401  (registers kv_cache="slots")
 from .outputs import CompletionOutput, RequestOutput, StepRecord
 from .runner import ModelRunner
 from .scheduler import Scheduler, check_policy
 from ..kv.base import make_kv
 from ..sampling import SamplingParams
-from ..sequence import RUNNING, Sequence
+from ..sequence import Sequence
 
 
 def check_engine_args(model, tokenizer, max_num_seqs, max_num_batched_tokens,
@@ -55,18 +53,9 @@ def check_engine_args(model, tokenizer, max_num_seqs, max_num_batched_tokens,
     return max_model_len, max_num_batched_tokens
 
 # %% auto #0
-__all__ = ['ENGINE_OPTIONS', 'check_engine_args', 'weights_version', 'LLMEngine']
+__all__ = ['ENGINE_OPTIONS', 'check_engine_args', 'LLMEngine']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43-engine
-def weights_version(model: torch.nn.Module) -> tuple:
-    """Changes when a weight of `model` is replaced (quantize) or changed in place under
-    no_grad (load_state_dict, an edit): K/V cached before that are stale. The engine
-    looks as each request arrives (an edit through `.data`, or one made while
-    requests wait, is not seen: call reset_prefix_cache() after one)."""
-    return tuple((id(t), t.data_ptr(), t._version)
-                 for t in itertools.chain(model.parameters(), model.buffers()))
-
-
 ENGINE_OPTIONS: dict = {}  # an option a later chapter adds -> check(value), which
 #                            returns apply(engine) (chapter 7: cuda_graphs=True)
 
@@ -87,20 +76,17 @@ class LLMEngine:
                  if k in ENGINE_OPTIONS]  # checked now, applied at the end
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_model_len = max_model_len
-        self.kv = make_kv(kv_cache, options, model, max_num_seqs, max_model_len,
-                          policy, max_num_batched_tokens)  # by name: section 4
-        # one scheduler and one runner, for either backend
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
-                                   policy, enable_chunked_prefill)
+        self.kv, scheduler = make_kv(kv_cache, options, model, max_num_seqs,
+                                     max_model_len, policy, max_num_batched_tokens)
+        self.scheduler = (scheduler or Scheduler)(  # the backend's, or section 5's
+            self.kv, max_num_seqs, max_num_batched_tokens, policy,
+            enable_chunked_prefill)
         self.runner = ModelRunner(model, self.kv)
         self.requests: dict[str, Sequence] = {}  # every answer not yet collected
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its n answers
         self.group_of: dict[str, str] = {}  # an answer's own id -> its request id
-        self.held: dict[str, list[Sequence]] = {}  # answers 1..n-1 of a request
-        #   wait here until answer 0 has computed the prompt (Chapter 6: they fork)
         self.history: list[StepRecord] = []
         self._ids = itertools.count()
-        self._weights = weights_version(model)  # what the cached K/V were made with
         for apply in later:  # e.g. chapter 7's cuda_graphs=True
             apply(self)
 
@@ -128,23 +114,13 @@ def _add_request(self, prompt, params: SamplingParams | None = None,
     seq = Sequence.create(self.model, prompt, params, self.tokenizer, request_id,
                           arrival_time)
     self._check_fits(seq)
-    if self.kv.prefix_caching:  # K/V cached before the weights changed are stale
-        version = weights_version(self.model)  # (quantize, load_state_dict, ...)
-        if version != self._weights:
-            self.reset_prefix_cache()
-            self._weights = version
     seqs = [seq] + [self._answer(seq, i) for i in range(1, seq.params.n)]
     self.groups[request_id] = seqs
     for s in seqs:
         self.requests[s.request_id] = s
         self.group_of[s.request_id] = request_id
         self.runner.add(s)
-    forks = (len(seqs) > 1 and hasattr(self.kv, "fork")
-             and self.scheduler.policy == "continuous")
-    for s in seqs[:1] if forks else seqs:
-        self.scheduler.add(s)
-    if forks:
-        self.held[seq.request_id] = seqs[1:]
+    self.scheduler.add(*seqs)
     return request_id
 
 
@@ -156,19 +132,9 @@ def _check_fits(self, seq: Sequence) -> None:
         raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens "
                          f"({seq.params.max_tokens}) = {seq.max_positions} "
                          f"exceeds max_model_len={self.max_model_len}")
-    if self.kv.too_long(seq):
-        raise ValueError(self.kv.too_long(seq))
-    budget, s = self.scheduler.max_num_batched_tokens, self.scheduler
-    whole = s.policy == "static" or not s.enable_chunked_prefill  # no chunks
-    if whole and len(seq.prompt_ids) > budget:
-        raise ValueError(f"the prompt has {len(seq.prompt_ids)} tokens; a step "
-                         f"holds at most max_num_batched_tokens={budget} "
-                         "(enable_chunked_prefill=True would cut it in chunks)")
-    if whole and self.kv.grows_per_token and seq.max_positions > budget:
-        raise ValueError(f"prompt + max_tokens = {seq.max_positions} tokens: "
-                         "after a preemption (Chapter 6) they are computed again "
-                         f"in one step; max_num_batched_tokens={budget} is less")
-
+    why = self.kv.too_long(seq) or self.scheduler.too_long(seq)
+    if why:
+        raise ValueError(why)
 
 LLMEngine._check_fits = _check_fits
 
@@ -189,33 +155,13 @@ def _answer(self, seq: Sequence, i: int) -> Sequence:
     return child
 
 
-def _release(self, parent: Sequence) -> None:
-    """Answer 0 has computed the prompt: the other answers start on its blocks
-    (kv.fork, reference counts), or, without a free block, queue up."""
-    for child in self.held.pop(parent.request_id, []):
-        s = self.scheduler
-        if child.is_finished:
-            continue  # aborted while it waited
-        if len(s.running) < s.max_num_seqs and self.kv.fork(parent, child):
-            child.num_computed_tokens = len(child.prompt_ids) - 1
-            child.status = RUNNING
-            s.running.append(child)
-        else:
-            s.waiting.appendleft(child)
-
-
-LLMEngine._answer, LLMEngine._release = _answer, _release
+LLMEngine._answer = _answer
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43d-engine
 def _step(self) -> list[RequestOutput]:
     """Schedule, run one forward, append a token to every request whose prompt is
     complete (one in the middle of its prompt gets the next chunk computed).
     Returns one RequestOutput per request that moved: what this step added."""
-    if self.kv.prefix_caching and self.scheduler.waiting:  # only admission looks
-        version = weights_version(self.model)  # up cached blocks (Chapter 6)
-        if version != self._weights:
-            self.reset_prefix_cache()
-            self._weights = version
     batch = self.scheduler.schedule()
     if batch is None:
         return []
@@ -243,8 +189,6 @@ def _step(self) -> list[RequestOutput]:
             text = seq.append(token, now, logprobs)
         except Exception as e:  # this request's own failure: it ends, others go on
             text, logprobs = seq.fail(f"{type(e).__name__}: {e}", now), None
-        if seq.request_id in self.held:  # its prompt is computed: fork
-            self._release(seq)
         new = [] if seq.finish_reason == "error" else [token]
         self._delta(outputs, seq, text, new, logprobs)
         if seq.is_finished:
@@ -305,7 +249,6 @@ def _abort(self, request_id: str) -> RequestOutput:
     if seqs is None:
         raise KeyError(f"no request {request_id!r} (known: "
                        f"{sorted(self.groups)[:5]}...)")
-    self.held.pop(seqs[0].request_id, None)  # answers that never started
     outputs = []
     for seq in seqs:
         text = ""
@@ -324,7 +267,7 @@ def _finished(self, seq: Sequence) -> None:
 
 
 def _has_unfinished(self) -> bool:
-    return self.scheduler.has_unfinished() or bool(self.held)
+    return self.scheduler.has_unfinished()
 
 
 LLMEngine.abort, LLMEngine._finished = _abort, _finished
@@ -350,13 +293,10 @@ def _pop(self, request_id: str) -> Sequence | list[Sequence]:
 
 
 def _reset_prefix_cache(self) -> bool:
-    """Forget the prefix cache (vLLM's name); False if this KV memory keeps none.
-    The engine also does it by itself when the model's weights change."""
-    if not self.kv.prefix_caching:
-        return False
-    self.kv.reset_prefix_cache()
-    return True
-
+    """Forget the K/V kept for sharing (vLLM's name; Chapter 6's prefix cache).
+    False if this KV memory keeps none, as chapter 4's slots."""
+    reset = getattr(self.kv, "reset_prefix_cache", None)
+    return bool(reset and reset())
 
 LLMEngine.is_finished, LLMEngine.pop = _is_finished, _pop
 LLMEngine.reset_prefix_cache = _reset_prefix_cache

@@ -34,8 +34,15 @@ def check_policy(policy) -> None:
     if policy not in ("continuous", "static"):
         raise ValueError(f"policy={policy!r}: allowed 'continuous' or 'static'")
 
+
+def check_scheduler_args(policy, enable_chunked_prefill) -> None:
+    check_policy(policy)
+    if not isinstance(enable_chunked_prefill, bool):
+        raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: "
+                         "must be True or False")
+
 # %% auto #0
-__all__ = ['Batch', 'check_policy', 'Scheduler']
+__all__ = ['Batch', 'check_policy', 'check_scheduler_args', 'Scheduler']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21c-scheduler
 class Scheduler:
@@ -51,19 +58,11 @@ class Scheduler:
 
     policy="static": admit a batch only when nobody runs, and keep every row of it
     in the batch until the longest has finished (the padding rows that continuous
-    batching removes).
-
-    Memory comes from the KV backend (minillm.kv.base.KVBackend). When it has no
-    room for a running request's next token (chapter 6's blocks), the newest
-    running request is preempted: its memory is freed and it goes back to the
-    front of the queue, to be computed again (vLLM's recompute preemption)."""
+    batching removes)."""
 
     def __init__(self, kv, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "continuous", enable_chunked_prefill: bool = True):
-        check_policy(policy)
-        if not isinstance(enable_chunked_prefill, bool):
-            raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: "
-                             "must be True or False")
+        check_scheduler_args(policy, enable_chunked_prefill)
         self.kv, self.policy = kv, policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -71,12 +70,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.forming = False  # static: the batch still takes requests
-        self.num_preemptions = 0
-        self.num_recomputed = 0  # tokens whose K/V preemption threw away
-        self.preempted: list[str] = []  # the request id of every preemption
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, *answers: Sequence) -> None:
+        """A request joins the queue: its answers (n of them, SamplingParams.n)."""
+        self.waiting.extend(answers)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(not s.is_finished for s in self.running)
@@ -86,31 +83,28 @@ def _schedule(self) -> Batch | None:
     """This step's requests and how many tokens each computes; None: no work."""
     if self.policy == "static":
         return self._schedule_static()
-    budget = self.max_num_batched_tokens
-    seqs, num_new = [], []
-    for seq in list(self.running):  # the oldest first
-        if seq not in self.running:
-            continue  # preempted just now, for an older request
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if n == 0:
-            break  # the budget is spent: the rest wait a step
-        preemptions = self.num_preemptions
-        if self._make_room(seq):  # False: it was preempted itself
-            seqs.append(seq)
-            num_new.append(n)
-            budget -= n
-        if self.num_preemptions != preemptions and any(  # a victim ran already
-                s not in self.running for s in seqs):
-            num_new = [n for s, n in zip(seqs, num_new) if s in self.running]
-            seqs = [s for s in seqs if s in self.running]
-            budget = self.max_num_batched_tokens - sum(num_new)
-    admitted = self._admit(budget, num_new)
+    seqs, num_new = self._keep_running(self.max_num_batched_tokens)
+    admitted = self._admit(self.max_num_batched_tokens - sum(num_new), num_new)
     if not seqs + admitted:
         return None
     return Batch(seqs + admitted, num_new, len(admitted))
 
 
-Scheduler.schedule = _schedule
+def _keep_running(self, budget: int) -> tuple[list[Sequence], list[int]]:
+    """The running requests, the oldest first, and the tokens each computes now:
+    its newest token, or the next chunk of its prompt, while the budget lasts."""
+    seqs, num_new = [], []
+    for seq in self.running:
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if n == 0:
+            break  # the budget is spent: the rest wait a step
+        seqs.append(seq)
+        num_new.append(n)
+        budget -= n
+    return seqs, num_new
+
+
+Scheduler.schedule, Scheduler._keep_running = _schedule, _keep_running
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21g-scheduler
 def _schedule_static(self) -> Batch | None:
@@ -140,8 +134,7 @@ def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:
         if not self.kv.can_allocate(seq):
             break
         self.waiting.popleft()
-        self.kv.allocate(seq)
-        seq.num_computed_tokens = self.kv.num_computed(seq)  # prefix cache
+        seq.num_computed_tokens = self.kv.allocate(seq)  # K/V it has already
         seq.status = RUNNING
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         admitted.append(seq)
@@ -152,40 +145,6 @@ def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:
 
 
 Scheduler._schedule_static, Scheduler._admit = _schedule_static, _admit
-
-# %% ../../chapters/04_continuous_batching.ipynb #c21i-scheduler
-def _make_room(self, seq: Sequence) -> bool:
-    """Room for the newest token of a decoding request; when there is none, the
-    newest running request gives way. False if `seq` itself had to."""
-    if seq.num_computed_tokens < seq.num_tokens - 1:
-        return True  # in its prompt: its blocks were given on admission
-    while not self.kv.can_append(seq):
-        victim = self.victim()
-        self.preempt(victim)
-        if victim is seq:
-            return False
-    self.kv.append_slot(seq)
-    return True
-
-
-def _victim(self) -> Sequence:
-    """Who gives way when memory runs out: the newest running request."""
-    return self.running[-1]
-
-
-def _preempt(self, seq: Sequence) -> None:
-    self.num_recomputed += seq.num_computed_tokens  # K/V thrown away
-    self.preempted.append(seq.request_id)
-    self.running.remove(seq)
-    self.kv.free(seq)
-    seq.num_computed_tokens = 0
-    seq.status = WAITING
-    self.waiting.appendleft(seq)
-    self.num_preemptions += 1
-
-
-Scheduler._make_room, Scheduler.victim = _make_room, _victim
-Scheduler.preempt = _preempt
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21k-scheduler
 def _finished(self, seq: Sequence) -> None:
@@ -214,4 +173,16 @@ def _undo(self, batch: Batch) -> None:
         self.waiting.appendleft(seq)
 
 
+def _too_long(self, seq: Sequence) -> str | None:
+    """Why `seq` can never be scheduled (None: it can)."""
+    budget = self.max_num_batched_tokens
+    whole = self.policy == "static" or not self.enable_chunked_prefill  # no chunks
+    if whole and len(seq.prompt_ids) > budget:
+        return (f"the prompt has {len(seq.prompt_ids)} tokens; a step holds at most "
+                f"max_num_batched_tokens={budget} (enable_chunked_prefill=True would "
+                "cut it in chunks)")
+    return None
+
+
 Scheduler.finished, Scheduler.undo = _finished, _undo
+Scheduler.too_long = _too_long

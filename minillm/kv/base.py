@@ -20,9 +20,6 @@ class KVBackend(Protocol):
     step's StepMeta names them (slot_mapping, block_tables)."""
 
     pad_slot: int          # the spare slot that padding tokens write to
-    prefix_caching: bool   # can requests share cached K/V? (chapter 6)
-    grows_per_token: bool  # memory taken as tokens come (blocks): a running
-    #                        request may be preempted; False: all at once
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
@@ -34,13 +31,10 @@ class KVBackend(Protocol):
     def too_long(self, seq: Sequence) -> str | None:
         """Why `seq` can never run here (None: it can)."""
     def can_allocate(self, seq: Sequence) -> bool: ...
-    def allocate(self, seq: Sequence) -> None: ...
+    def allocate(self, seq: Sequence) -> int:
+        """Take its memory; returns how many of its tokens already have K/V."""
     def cached_tokens(self, seq: Sequence) -> int:
         """Before allocate: how many of its tokens a prefill would skip."""
-    def num_computed(self, seq: Sequence) -> int:
-        """After allocate: how many of its tokens already have K/V."""
-    def can_append(self, seq: Sequence) -> bool: ...
-    def append_slot(self, seq: Sequence) -> None: ...
     def free(self, seq: Sequence) -> None: ...
     def usage(self) -> tuple[int, int]:
         """Positions that running requests hold, and positions in all."""
@@ -57,31 +51,34 @@ __all__ = ['KV_BACKENDS', 'DEFAULT_KV_CACHE', 'KVBackend', 'register_kv_backend'
            'PackedSteps']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c13d-registry
-KV_BACKENDS: dict[str, tuple] = {}  # name -> (build, the names of its options)
+KV_BACKENDS: dict[str, tuple] = {}  # name -> (build, its options, its scheduler)
 DEFAULT_KV_CACHE = {"continuous": "slots", "static": "slots"}  # policy -> name
 
 
-def register_kv_backend(name: str, build, options=(), default_for=()) -> None:
+def register_kv_backend(name: str, build, options=(), default_for=(),
+                        scheduler=None) -> None:
     """LLMEngine(kv_cache=name, **options) calls build(model, max_num_seqs,
     max_model_len, policy, max_num_batched_tokens, **options); default_for:
-    the scheduling policies that use this backend when kv_cache is None."""
-    KV_BACKENDS[name] = (build, tuple(options))
+    the scheduling policies that use this backend when kv_cache is None;
+    scheduler: the Scheduler class it needs (None: chapter 4's)."""
+    KV_BACKENDS[name] = (build, tuple(options), scheduler)
     for policy in default_for:
         DEFAULT_KV_CACHE[policy] = name
 
 
 def make_kv(kv_cache: str | None, options: dict, model, max_num_seqs: int,
             max_model_len: int, policy: str, max_num_batched_tokens: int):
-    """The engine's KV backend: the one named, or the policy's default."""
+    """The engine's KV backend (the one named, or the policy's default), and the
+    scheduler class it asks for (None: chapter 4's)."""
     name = DEFAULT_KV_CACHE[policy] if kv_cache is None else kv_cache
     if not isinstance(name, str) or name not in KV_BACKENDS:
         raise ValueError(f"kv_cache={kv_cache!r}: allowed {sorted(KV_BACKENDS)}")
-    build, allowed = KV_BACKENDS[name]
+    build, allowed, scheduler = KV_BACKENDS[name]
     if set(options) - set(allowed):
         raise ValueError(f"{sorted(set(options) - set(allowed))}: not an option of "
                          f"LLMEngine; kv_cache={name!r} takes {list(allowed)}")
     return build(model, max_num_seqs, max_model_len, policy,
-                 max_num_batched_tokens, **options)
+                 max_num_batched_tokens, **options), scheduler
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31a-packed
 def packed_groups(meta: StepMeta) -> list[tuple[torch.Tensor | slice, StepMeta]]:

@@ -3,8 +3,11 @@
 # %% ../../chapters/06_paged_attention.ipynb #c30-paged-imports
 from __future__ import annotations
 
+import itertools
+
 import torch
 
+from ..engine.paged_scheduler import PagedScheduler
 from .base import PackedSteps, register_kv_backend
 from .blocks import BlockManager, check_block_size
 from .contiguous import KVCache, KVMemoryError, check_kv_fits
@@ -12,7 +15,8 @@ from ..model import StepMeta
 from ..sequence import Sequence
 
 # %% auto #0
-__all__ = ['token_ids', 'PagedKVCache', 'check_utilization', 'kv_bytes_from_memory', 'profile_kv_bytes', 'paged_cache']
+__all__ = ['token_ids', 'PagedKVCache', 'weights_version', 'check_utilization', 'kv_bytes_from_memory', 'profile_kv_bytes',
+           'paged_cache']
 
 # %% ../../chapters/06_paged_attention.ipynb #c30-paged
 def token_ids(seq: Sequence) -> list[int]:
@@ -27,8 +31,6 @@ class PagedKVCache(PackedSteps, KVCache):
     so slot = block * block_size + offset. A BlockManager decides which blocks belong to
     which request; `gather` reads each request's blocks through its block table."""
 
-    grows_per_token = True  # a request takes a new block every block_size tokens
-
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32,
@@ -39,6 +41,7 @@ class PagedKVCache(PackedSteps, KVCache):
                          batch_size=num_blocks, dtype=dtype, device=device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.model = self.weights = None  # whose weights made the cached K/V
 
     @staticmethod
     def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
@@ -92,8 +95,10 @@ def _from_model(cls, model, num_blocks: int | None = None,
     check_kv_fits(num_blocks * cls.block_bytes(c, block_size, w.dtype), w.device,
                   f"{asked} of {block_size} tokens",
                   "use fewer blocks (num_blocks or kv_cache_bytes)")
-    return cls(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
+    pool = cls(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
                w.dtype, w.device, enable_prefix_caching)
+    pool.model = model  # its weights are checked before the cache is used
+    return pool
 
 
 PagedKVCache.from_model = classmethod(_from_model)
@@ -121,24 +126,49 @@ def _can_allocate(self, seq: Sequence) -> bool:
     return self.blocks.can_allocate(token_ids(seq), seq.request_id)
 
 
-def _allocate(self, seq: Sequence) -> None:
-    self.blocks.allocate(seq.request_id, token_ids(seq))
+def _allocate(self, seq: Sequence) -> int:
+    """Its blocks; returns how many of its tokens the prefix cache held."""
+    return self.blocks.allocate(seq.request_id, token_ids(seq))
 
 
 def _cached_tokens(self, seq: Sequence) -> int:
     """Tokens of the request that the prefix cache holds (before allocate)."""
+    self.check_weights()
     return (len(self.blocks.cached_prefix(token_ids(seq), seq.request_id))
             * self.block_size)
 
 
-def _num_computed(self, seq: Sequence) -> int:
-    """Tokens of the request whose K/V were found in the prefix cache."""
-    return self.blocks.computed.get(seq.request_id, 0)
-
-
 PagedKVCache.too_long, PagedKVCache.usage = _too_long, _usage
 PagedKVCache.can_allocate, PagedKVCache.allocate = _can_allocate, _allocate
-PagedKVCache.cached_tokens, PagedKVCache.num_computed = _cached_tokens, _num_computed
+PagedKVCache.cached_tokens = _cached_tokens
+
+# %% ../../chapters/06_paged_attention.ipynb #c30b2-weights
+def weights_version(model: torch.nn.Module) -> tuple:
+    """Changes when a weight of `model` is replaced (quantize) or changed in place under
+    no_grad (load_state_dict, an edit); an edit through `.data` is not seen: call
+    reset_prefix_cache() after one."""
+    return tuple((id(t), t.data_ptr(), t._version)
+                 for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _check_weights(self) -> None:
+    """Forget the prefix cache if the model's weights changed since it was filled."""
+    if self.model is not None and self.prefix_caching:
+        version = weights_version(self.model)
+        if version != self.weights:
+            if self.weights is not None:  # None: nothing cached before this look
+                self.reset_prefix_cache()
+            self.weights = version
+
+
+def _reset_prefix_cache(self) -> bool:
+    """Forget every block name; False if this pool does no prefix caching."""
+    self.blocks.reset_prefix_cache()
+    return self.prefix_caching
+
+
+PagedKVCache.check_weights = _check_weights
+PagedKVCache.reset_prefix_cache = _reset_prefix_cache
 
 # %% ../../chapters/06_paged_attention.ipynb #c30b3-paged
 def _can_append(self, seq: Sequence) -> bool:
@@ -153,31 +183,8 @@ def _free(self, seq: Sequence) -> None:
     self.blocks.free(seq.request_id)
 
 
-def _reset_prefix_cache(self) -> None:
-    self.blocks.reset_prefix_cache()
-
-
 PagedKVCache.can_append, PagedKVCache.append_slot = _can_append, _append_slot
-PagedKVCache.free, PagedKVCache.reset_prefix_cache = _free, _reset_prefix_cache
-
-# %% ../../chapters/06_paged_attention.ipynb #c30b5-paged
-def _fork(self, parent: Sequence, child: Sequence) -> bool:
-    """Start `child`, another answer to `parent`'s prompt, on the parent's blocks
-    (BlockManager.fork): only its last prompt token is left to compute. False if
-    no block is free (then it waits and computes its prompt itself)."""
-    if self.num_free < 1:
-        return False
-    copy = self.blocks.fork(parent.request_id, child.request_id,
-                            len(child.prompt_ids))
-    if copy is not None:  # copy-on-write: the partly filled block, every layer
-        bs = self.block_size
-        src, dst = (slice(b * bs, (b + 1) * bs) for b in copy)
-        for layer in self.k + self.v:  # [slots, kv_heads, head_dim]
-            layer[dst] = layer[src]
-    return True
-
-
-PagedKVCache.fork = _fork
+PagedKVCache.free = _free
 
 # %% ../../chapters/06_paged_attention.ipynb #c30d-paged
 # --- what the runner asks ---
@@ -308,4 +315,23 @@ def paged_cache(model, max_num_seqs: int, max_model_len: int,
 
 register_kv_backend("paged", paged_cache, default_for=["continuous"], options=[
     "num_blocks", "kv_cache_bytes", "block_size", "enable_prefix_caching",
-    "gpu_memory_utilization"])  # LLMEngine(...) and LLM(...) now use blocks
+    "gpu_memory_utilization"], scheduler=PagedScheduler)  # LLM(...) uses blocks now
+
+# %% ../../chapters/06_paged_attention.ipynb #c72n2-fork
+def _fork(self, parent: Sequence, child: Sequence) -> bool:
+    """Start `child`, another answer to `parent`'s prompt, on the parent's blocks
+    (BlockManager.fork): only its last prompt token is left to compute. False if
+    no block is free (then it waits and computes its prompt itself)."""
+    if self.num_free < 1:
+        return False
+    copy = self.blocks.fork(parent.request_id, child.request_id,
+                            len(child.prompt_ids))
+    if copy is not None:  # copy-on-write: the partly filled block, every layer
+        bs = self.block_size
+        src, dst = (slice(b * bs, (b + 1) * bs) for b in copy)
+        for layer in self.k + self.v:  # [slots, kv_heads, head_dim]
+            layer[dst] = layer[src]
+    return True
+
+
+PagedKVCache.fork = _fork

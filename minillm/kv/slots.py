@@ -21,9 +21,6 @@ class SlotKVCache(PackedSteps, KVCache):
     comes in section 6); this class adds the rest of the
     KVBackend interface (minillm.kv.base) that the scheduler and the runner use."""
 
-    prefix_caching = False   # a row is its request's alone: nothing to share
-    grows_per_token = False  # the whole row is reserved on admission
-
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  max_seq_len: int, max_num_seqs: int,
                  dtype: torch.dtype = torch.float32,
@@ -62,7 +59,7 @@ def _can_allocate(self, seq: Sequence) -> bool:
     return bool(self.free_rows)
 
 
-def _allocate(self, seq: Sequence) -> None:
+def _allocate(self, seq: Sequence) -> int:
     if seq.request_id in self.row_of:
         raise ValueError(f"request {seq.request_id!r} already holds row "
                          f"{self.row_of[seq.request_id]}")
@@ -72,23 +69,11 @@ def _allocate(self, seq: Sequence) -> None:
     if not self.free_rows:
         raise RuntimeError("no free row: ask can_allocate first")
     self.row_of[seq.request_id] = heapq.heappop(self.free_rows)
+    return 0  # a fresh row: none of its tokens has K/V yet
 
 
 def _cached_tokens(self, seq: Sequence) -> int:
     return 0  # nothing is shared: every prefill computes all its tokens
-
-
-def _num_computed(self, seq: Sequence) -> int:
-    return 0
-
-
-def _can_append(self, seq: Sequence) -> bool:
-    return seq.request_id in self.row_of  # its row has room for every token
-
-
-def _append_slot(self, seq: Sequence) -> None:
-    if seq.request_id not in self.row_of:
-        raise ValueError(f"request {seq.request_id!r} holds no row")
 
 
 def _free(self, seq: Sequence) -> None:
@@ -112,10 +97,8 @@ def _usage(self) -> tuple[int, int]:
 
 
 SlotKVCache.can_allocate, SlotKVCache.allocate = _can_allocate, _allocate
-SlotKVCache.cached_tokens, SlotKVCache.num_computed = _cached_tokens, _num_computed
-SlotKVCache.can_append, SlotKVCache.append_slot = _can_append, _append_slot
-SlotKVCache.free, SlotKVCache.too_long = _free, _too_long
-SlotKVCache.usage = _usage
+SlotKVCache.cached_tokens, SlotKVCache.free = _cached_tokens, _free
+SlotKVCache.too_long, SlotKVCache.usage = _too_long, _usage
 
 # %% ../../chapters/04_continuous_batching.ipynb #c14-slots-s1
 def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
