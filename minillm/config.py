@@ -75,6 +75,24 @@ class _Fields:
             self.bad(name, value, f"token ids in [0, vocab_size={vocab})")
         return ids
 
+
+def _check_config(c) -> None:
+    """A ModelConfig built by hand: its fields get the checks of from_hf."""
+    f = _Fields(vars(c), "ModelConfig")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                 "num_heads", "num_kv_heads", "head_dim"):
+        f.int(name)
+    f.int("max_position_embeddings")
+    f.int("sliding_window", None)
+    f.number("rope_theta")
+    f.number("rms_norm_eps")
+    if c.num_heads % c.num_kv_heads:
+        f.bad("num_kv_heads", c.num_kv_heads, f"a divisor of {c.num_heads}")
+    if c.head_dim % 2:
+        f.bad("head_dim", c.head_dim, "even (RoPE turns pairs of channels)")
+    f.token_ids("eos_token_ids", c.vocab_size)
+    f.token_ids("bos_token_id", c.vocab_size)
+
 # %% ../chapters/02_naive_loop.ipynb #c011
 SUPPORTED_ARCHITECTURES = {  # config.json "model_type" -> what the architecture fixes
     "llama": {},                                   # biases follow "attention_bias"
@@ -109,20 +127,7 @@ class ModelConfig:
     torch_dtype: str | None = None        # the dtype the checkpoint was saved in
 
     def __post_init__(self):  # built by hand, too: the same checks as from_hf
-        f = _Fields(vars(self), "ModelConfig")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
-            f.int(name)
-        f.int("max_position_embeddings")
-        f.int("sliding_window", None)
-        f.number("rope_theta")
-        f.number("rms_norm_eps")
-        if self.num_heads % self.num_kv_heads:
-            f.bad("num_kv_heads", self.num_kv_heads, f"a divisor of {self.num_heads}")
-        if self.head_dim % 2:
-            f.bad("head_dim", self.head_dim, "even (RoPE turns pairs of channels)")
-        f.token_ids("eos_token_ids", self.vocab_size)
-        f.token_ids("bos_token_id", self.vocab_size)
+        _check_config(self)
 
     @property
     def context_length(self) -> int:

@@ -17,9 +17,7 @@ def memory_triage(config, requests: int, seq_len: int, prompt_len: int,
     the weights, the KV cache of `requests` sequences of `seq_len` tokens, and the
     float32 logits of one prefill of `prompt_len` tokens (the largest activation of a
     loop that computes logits for every position, as `transformers` does)."""
-    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) \
-            or prompt_len < 1:
-        raise ValueError(f"prompt_len={prompt_len!r}: must be an int >= 1")
+    _check_prompt_len(prompt_len)
     return {"weights": weight_bytes(config, weight_dtype),
             "KV cache": kv_cache_bytes(config, seq_len, requests, kv_dtype),
             "activations": prompt_len * config.vocab_size * 4}
@@ -28,17 +26,29 @@ def memory_triage(config, requests: int, seq_len: int, prompt_len: int,
 __all__ = ['memory_triage', 'repeated_share', 'input_lengths', 'eos_probability', 'stop_cause', 'answer_loss',
            'chat_prompt_problems']
 
+# %% ../chapters/08_troubleshooting.ipynb #c20c-triage
+def _check_prompt_len(prompt_len) -> None:
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) \
+            or prompt_len < 1:
+        raise ValueError(f"prompt_len={prompt_len!r}: must be an int >= 1")
+
 # %% ../chapters/08_troubleshooting.ipynb #c41-repeat
 def repeated_share(ids: list[int], n: int = 4) -> float:
     """The share of the n-grams (runs of n tokens) in `ids` that appeared earlier in
     `ids`: 0 for text without repetition, close to 1 for a loop."""
+    ids = _ngram_ids(ids, n)
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return 1 - len(set(grams)) / len(grams)
+
+# %% ../chapters/08_troubleshooting.ipynb #c41a-repeat
+def _ngram_ids(ids, n) -> list[int]:
+    """`ids` as a list, once `n` is an int >= 1 and `ids` hold an n-gram."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r}: must be an int >= 1")
     ids = list(ids)
     if len(ids) < n:
         raise ValueError(f"{len(ids)} ids hold no {n}-gram; give at least {n}")
-    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
-    return 1 - len(set(grams)) / len(grams)
+    return ids
 
 # %% ../chapters/08_troubleshooting.ipynb #c5b-slow
 @contextlib.contextmanager
@@ -61,6 +71,21 @@ def eos_probability(model, prompt_ids: list[int], answer_ids: list[int],
     answer's tokens. One forward; returns a float32 CPU tensor [len(answer_ids)]."""
     eos = list(model.config.eos_token_ids if eos_ids is None else eos_ids)
     ids = list(prompt_ids) + list(answer_ids)
+    _check_eos_args(model, prompt_ids, answer_ids, ids, eos, temperature)
+    logits = _logits(model, ids)
+    steps = logits[len(prompt_ids) - 1:-1].float() / temperature
+    return steps.softmax(-1)[:, eos].sum(-1).cpu()
+
+# %% ../chapters/08_troubleshooting.ipynb #c5oa-early
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    """The logits [len(ids), vocab] of one sequence, in one forward."""
+    device = model.embed_tokens.weight.device
+    x = torch.tensor([ids], device=device)
+    with torch.inference_mode():
+        return model(x, torch.arange(len(ids), device=device)[None])[0]
+
+
+def _check_eos_args(model, prompt_ids, answer_ids, ids, eos, temperature) -> None:
     vocab = model.config.vocab_size
     if not eos or not all(isinstance(i, int) and 0 <= i < vocab for i in eos + ids):
         raise ValueError(f"eos_ids={eos} and all ids must be ints in [0, {vocab})")
@@ -68,12 +93,6 @@ def eos_probability(model, prompt_ids: list[int], answer_ids: list[int],
         raise ValueError("give a non-empty prompt and a non-empty answer")
     if not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature={temperature!r}: must be a number > 0")
-    device = model.embed_tokens.weight.device
-    x = torch.tensor([ids], device=device)
-    with torch.inference_mode():
-        logits = model(x, torch.arange(len(ids), device=device)[None])[0]
-    steps = logits[len(prompt_ids) - 1:-1].float() / temperature
-    return steps.softmax(-1)[:, eos].sum(-1).cpu()
 
 # %% ../chapters/08_troubleshooting.ipynb #c5sb-early
 def stop_cause(output, params, model) -> str:
@@ -89,20 +108,29 @@ def stop_cause(output, params, model) -> str:
         return f"max_tokens={params.max_tokens}"
     if reason != "stop":
         return reason  # "abort" or "error"
-    ids = getattr(output, "token_ids", None)
-    ids = output.output_ids if ids is None else ids
-    if not ids:
-        raise ValueError("finish_reason 'stop' and no token: nothing to read")
-    last, eos = ids[-1], getattr(model, "config", model).eos_token_ids
+    last, eos = _last_id(output), getattr(model, "config", model).eos_token_ids
     if last in params.stop_token_ids:
         return f"stop id {last}"
     if last in eos and not params.ignore_eos:
         return f"EOS (id {last})"
     if isinstance(output.stop_reason, str):  # the stop string that fired
         return f"stop string {output.stop_reason!r}"
-    raise ValueError(f"finish_reason 'stop', but the last id {last} is not EOS "
-                     f"{list(eos)} nor a stop id, and no stop string fired "
-                     f"(stop={list(params.stop)}): are these its params?")
+    raise _no_stop_rule(last, eos, params)
+
+# %% ../chapters/08_troubleshooting.ipynb #c5sbb-early
+def _last_id(output) -> int:
+    """The last token id of a CompletionOutput (token_ids) or a Sequence."""
+    ids = getattr(output, "token_ids", None)
+    ids = output.output_ids if ids is None else ids
+    if not ids:
+        raise ValueError("finish_reason 'stop' and no token: nothing to read")
+    return ids[-1]
+
+
+def _no_stop_rule(last, eos, params) -> ValueError:
+    return ValueError(f"finish_reason 'stop', but the last id {last} is not EOS "
+                      f"{list(eos)} nor a stop id, and no stop string fired "
+                      f"(stop={list(params.stop)}): are these its params?")
 
 # %% ../chapters/08_troubleshooting.ipynb #c5ta-format
 def answer_loss(model, prompt_ids: list[int], answer_ids: list[int]) -> float:
@@ -110,23 +138,28 @@ def answer_loss(model, prompt_ids: list[int], answer_ids: list[int]) -> float:
     right after `prompt_ids`: low when the prompt makes that answer likely.
     One forward."""
     ids = list(prompt_ids) + list(answer_ids)
+    _check_answer_args(model, prompt_ids, answer_ids, ids)
+    logits = _logits(model, ids)
+    n = len(prompt_ids)
+    target = torch.tensor(ids[n:], device=logits.device)
+    return torch.nn.functional.cross_entropy(logits[n - 1:-1].float(), target).item()
+
+# %% ../chapters/08_troubleshooting.ipynb #c5tb-format
+def _check_answer_args(model, prompt_ids, answer_ids, ids) -> None:
     vocab = model.config.vocab_size
     if not prompt_ids or not answer_ids:
         raise ValueError("give a non-empty prompt and a non-empty answer")
     if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
         raise ValueError(f"all ids must be ints in [0, {vocab})")
-    device = model.embed_tokens.weight.device
-    x = torch.tensor([ids], device=device)
-    with torch.inference_mode():
-        logits = model(x, torch.arange(len(ids), device=device)[None])[0]
-    n = len(prompt_ids)
-    loss = torch.nn.functional.cross_entropy(logits[n - 1:-1].float(), x[0, n:])
-    return loss.item()
 
-# %% ../chapters/08_troubleshooting.ipynb #c5za-format
+# %% ../chapters/08_troubleshooting.ipynb #c5z-helpers
 _PROBE = "minillm-probe-4711"  # a user message that no chat template rewrites
 _TEMPLATE_FIX = ("write it with tokenizer.apply_chat_template(messages, "
                 "add_generation_prompt=True)")
+_NO_TEMPLATE = ("the tokenizer has no chat template: a base model needs none; "
+                "for a chat model it is missing (tokenizer_config.json's "
+                "'chat_template', or chat_template.jinja): load the tokenizer "
+                "from the model's own folder")
 
 
 def _marker_names(tokenizer) -> set[str]:
@@ -138,19 +171,9 @@ def _marker_names(tokenizer) -> set[str]:
     return {n for n in names if isinstance(n, str) and n}
 
 
-def chat_prompt_problems(tokenizer, prompt) -> list[str]:
-    """Why a chat model may not answer `prompt` (text, or token ids): each
-    failed check as a sentence, [] when the prompt is in the format of the
-    tokenizer's chat template. The reference is the template rendered for a
-    probe message: the end of a user's turn and the generation prompt, the
-    markers as special tokens, BOS once."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        return ["the tokenizer has no chat template: a base model needs none; "
-                "for a chat model it is missing (tokenizer_config.json's "
-                "'chat_template', or chat_template.jinja): load the tokenizer "
-                "from the model's own folder"]
-    ids = None if isinstance(prompt, str) else [int(i) for i in prompt]
-    text = prompt if ids is None else tokenizer.decode(ids)
+def _template_reference(tokenizer) -> tuple[str, str, list[str]]:
+    """The template rendered for a probe message: what follows the message (end
+    of turn and generation prompt), the generation prompt alone, the markers."""
     probe = [{"role": "user", "content": _PROBE}]
     turn, full = (tokenizer.apply_chat_template(
         probe, add_generation_prompt=g, tokenize=False) for g in (False, True))
@@ -161,34 +184,59 @@ def chat_prompt_problems(tokenizer, prompt) -> list[str]:
     opening = full[len(turn):] if full.startswith(turn) else ""
     markers = sorted((m for m in _marker_names(tokenizer) if m in full),
                      key=full.find)
+    return after, opening, markers
+
+
+def _two_bos(bos) -> str:
+    return (f"the prompt starts with BOS twice ({bos!r}): the "
+            "template writes it and encode adds another; encode "
+            "the template's text with add_special_tokens=False")
+
+
+def _split_markers(split) -> str:
+    return (f"the markers {split} are in the prompt as "
+            "plain text, not as their special tokens: encode "
+            "with special tokens parsed (parse_special=True)")
+
+
+def _wrong_ending(text, bos, after, opening, markers) -> str:
+    """The problem of a prompt that does not end as a templated user turn."""
+    end_of_turn = after[:len(after) - len(opening)] if opening else ""
+    body = text[len(bos):] if bos and text.startswith(bos) else text
+    if markers and not any(m in body for m in markers):  # BOS aside
+        return ("the prompt holds none of the chat template's "
+                f"markers ({', '.join(markers)}): it is bare text, "
+                "which the model was not trained to answer; " + _TEMPLATE_FIX)
+    if end_of_turn and text.endswith(end_of_turn):
+        return ("the prompt ends the user's turn but does not "
+                "open the answer with the generation prompt "
+                f"{opening!r}: pass add_generation_prompt=True")
+    return ("the prompt does not end as the chat template "
+            f"ends a user's message ({after!r}): unless it "
+            "continues an answer on purpose, " + _TEMPLATE_FIX)
+
+# %% ../chapters/08_troubleshooting.ipynb #c5za-format
+def chat_prompt_problems(tokenizer, prompt) -> list[str]:
+    """Why a chat model may not answer `prompt` (text, or token ids): each
+    failed check as a sentence, [] when the prompt is in the format of the
+    tokenizer's chat template. The reference is the template rendered for a
+    probe message: the end of a user's turn and the generation prompt, the
+    markers as special tokens, BOS once."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return [_NO_TEMPLATE]
+    ids = None if isinstance(prompt, str) else [int(i) for i in prompt]
+    text = prompt if ids is None else tokenizer.decode(ids)
+    after, opening, markers = _template_reference(tokenizer)
     problems = []
     bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
     if (ids[:2] == [bos_id] * 2 if ids is not None
             else bool(bos) and text.startswith(2 * bos)):
-        problems.append(f"the prompt starts with BOS twice ({bos!r}): the "
-                        "template writes it and encode adds another; encode "
-                        "the template's text with add_special_tokens=False")
+        problems.append(_two_bos(bos))
     if ids is not None:
         split = [m for m in markers if m in text and not set(
             tokenizer.encode(m, add_special_tokens=False)) <= set(ids)]
         if split:
-            problems.append(f"the markers {split} are in the prompt as "
-                            "plain text, not as their special tokens: encode "
-                            "with special tokens parsed (parse_special=True)")
+            problems.append(_split_markers(split))
     if not text.endswith(after):
-        end_of_turn = after[:len(after) - len(opening)] if opening else ""
-        body = text[len(bos):] if bos and text.startswith(bos) else text
-        if markers and not any(m in body for m in markers):  # BOS aside
-            problems.append("the prompt holds none of the chat template's "
-                            f"markers ({', '.join(markers)}): it is bare text, "
-                            "which the model was not trained to answer; "
-                            + _TEMPLATE_FIX)
-        elif end_of_turn and text.endswith(end_of_turn):
-            problems.append("the prompt ends the user's turn but does not "
-                            "open the answer with the generation prompt "
-                            f"{opening!r}: pass add_generation_prompt=True")
-        else:
-            problems.append("the prompt does not end as the chat template "
-                            f"ends a user's message ({after!r}): unless it "
-                            "continues an answer on purpose, " + _TEMPLATE_FIX)
+        problems.append(_wrong_ending(text, bos, after, opening, markers))
     return problems

@@ -35,6 +35,27 @@ def watch_input_lengths(model) -> Iterator[list[int]]:
         handle.remove()
 
 # %% ../chapters/03_kv_cache.ipynb #c026a
+def _new_sequence(model, prompt_ids, params, tokenizer) -> Sequence:
+    """The request of `generate_tokens` as a Sequence, every argument checked."""
+    if params is not None and not isinstance(params, SamplingParams):
+        raise ValueError(f"params={params!r}: give a minillm.sampling.SamplingParams")
+    seq = Sequence.create(model, prompt_ids, params, tokenizer)  # checks everything
+    if seq.params.n != 1:
+        raise ValueError(f"n={seq.params.n}: this loop makes one answer; the engine "
+                         "(Chapter 4, LLM.generate) makes n")
+    return seq
+
+
+def _check_stream_args(prompt, tokenizer) -> None:
+    """`stream` needs a non-empty text prompt and a tokenizer that can encode and
+    decode."""
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"prompt={prompt!r}: give a non-empty string")
+    if not all(callable(getattr(tokenizer, f, None)) for f in ("encode", "decode")):
+        raise ValueError(f"tokenizer={tokenizer!r}: give a minillm Tokenizer "
+                         "(it needs encode and decode)")
+
+
 def check_cache(cache, model, positions: int) -> None:
     """Refuse a cache that cannot hold `positions` tokens of `model`."""
     if not isinstance(cache, KVCache):
@@ -65,12 +86,7 @@ def generate_tokens(model, prompt_ids, params: SamplingParams | None = None,
     The token that stops generation is yielded too. `cache`: a KVCache to reuse (it is
     reset); by default a new one of exactly len(prompt) + max_tokens positions.
     """
-    if params is not None and not isinstance(params, SamplingParams):
-        raise ValueError(f"params={params!r}: give a minillm.sampling.SamplingParams")
-    seq = Sequence.create(model, prompt_ids, params, tokenizer)  # checks everything
-    if seq.params.n != 1:
-        raise ValueError(f"n={seq.params.n}: this loop makes one answer; the engine "
-                         "(Chapter 4, LLM.generate) makes n")
+    seq = _new_sequence(model, prompt_ids, params, tokenizer)  # checks everything
     if cache is None:
         cache = KVCache.from_model(model, seq.max_positions)
     else:
@@ -136,11 +152,7 @@ def stream(model, tokenizer, prompt: str, params: SamplingParams | None = None
     """
     from minillm.tokenizer import IncrementalDecoder
 
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"prompt={prompt!r}: give a non-empty string")
-    if not all(callable(getattr(tokenizer, f, None)) for f in ("encode", "decode")):
-        raise ValueError(f"tokenizer={tokenizer!r}: give a minillm Tokenizer "
-                         "(it needs encode and decode)")
+    _check_stream_args(prompt, tokenizer)
     decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
     for token in generate_tokens(model, tokenizer.encode(prompt), params, tokenizer):
         delta = decoder.push(token)

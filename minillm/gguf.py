@@ -266,7 +266,7 @@ def file_hash(path: Path) -> str:
             h.update(chunk)
     return h.hexdigest()[:16]
 
-
+# %% ../chapters/02_naive_loop.ipynb #g07e-b
 CONVERTER = 1  # bump it when write_folder changes what it writes: old copies rebuild
 
 

@@ -163,6 +163,20 @@ def check_quantization(quantization) -> None:
     raise ValueError(f"quantization={quantization!r}: give None or one of "
                      f"{sorted(QUANTIZATIONS) or 'the modes chapter 5 registers'}")
 
+
+def _load_inputs(path, dtype, device, quantization) -> tuple:
+    """load_model's arguments checked, in this order: quantization, device, dtype, the
+    folder, its config and its files. Returns (folder, config, files, device, dtype)."""
+    check_quantization(quantization)
+    device = resolve_device(device)
+    if dtype is not None:
+        dtype = _check_dtype(dtype, device)
+    folder = resolve_folder(path)
+    config = ModelConfig.from_hf(folder)
+    files = safetensors_files(folder)
+    dtype = dtype or default_dtype(config, device)
+    return folder, config, files, device, dtype
+
 # %% ../chapters/02_naive_loop.ipynb #c026b
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)  # old checkpoints saved it; we compute it
 
@@ -216,15 +230,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
     from safetensors import SafetensorError, safe_open
     from tqdm.auto import tqdm
 
-    check_quantization(quantization)
-    device = resolve_device(device)
-    if dtype is not None:
-        dtype = _check_dtype(dtype, device)
-    folder = resolve_folder(path)
-    config = ModelConfig.from_hf(folder)
-    files = safetensors_files(folder)
-    dtype = dtype or default_dtype(config, device)
-
+    folder, config, files, device, dtype = _load_inputs(path, dtype, device,
+                                                      quantization)
     with torch.device("meta"):
         model = Transformer(config)
     plan = _plan(files, model)  # every check passed: now allocate and read

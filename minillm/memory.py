@@ -148,7 +148,7 @@ def _extras(config) -> tuple[bool, bool, bool]:
         qk_norm = _flag(config, "qk_norm")
     return qkv, out, qk_norm
 
-
+# %% ../chapters/00_overview.ipynb #c018-b
 def parameter_count(config) -> int:
     """Parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
     hidden = _positive_int(_field(config, "hidden_size"), "hidden_size")

@@ -54,7 +54,7 @@ def rope_frequencies(config: ModelConfig) -> torch.Tensor:
     middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(middle, blended, scaled)
 
-
+# %% ../chapters/02_naive_loop.ipynb #c017-b
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables [context_length, head_dim]; forward indexes them."""
     def __init__(self, config: ModelConfig):
@@ -109,7 +109,7 @@ class StepMeta:
     seq_lens: torch.Tensor | None = None  # [n] positions each holds after the step
     cache: dict = field(default_factory=dict, repr=False)  # e.g. the mask, built once
 
-
+# %% ../chapters/02_naive_loop.ipynb #c021-b
 class Attention(nn.Module):
     """Grouped-query attention. K/V go through `kv` (a KV cache) if one is given."""
     def __init__(self, config: ModelConfig, layer_idx: int):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .loader import QUANTIZATIONS
 
 # %% auto #0
-__all__ = ['MODES', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'exact_int8_matmul', 'int8_matmul',
+__all__ = ['MODES', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'int8_matmul', 'exact_int8_matmul',
            'Int8Int8Linear', 'fbgemm_missing', 'FbgemmLinear', 'quantize', 'is_quantized', 'import_bitsandbytes',
            'bnb_missing', 'bnb_from_linear', 'quantize_targets', 'checked_ids', 'perplexity', 'int8_layers_on_meta',
            'activation_absmax', 'smooth_groups', 'smooth', 'smooth_plan', 'gguf_quantize', 'gguf_round_trip']
@@ -30,17 +30,9 @@ def absmax_quantize(w: torch.Tensor, group_size: int | None = None
     consecutive inputs of a row. Returns q (int8, [out, in]) and the scales (float32,
     [out, 1] or [out, in // group_size]); every weight satisfies |w - q * s| <= s / 2.
     """
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
-        got = (f"shape {tuple(w.shape)}, {w.dtype}" if isinstance(w, torch.Tensor)
-               else type(w).__name__)
-        raise ValueError(f"w: give a 2-D float weight [out, in]; got {got}")
+    _check_absmax(w, group_size)  # a 2-D float w, rows split evenly (hidden below)
     out_features, in_features = w.shape
-    if group_size is None:
-        group_size = in_features
-    if (not isinstance(group_size, int) or isinstance(group_size, bool)
-            or group_size < 1 or in_features % group_size):
-        raise ValueError(f"group_size={group_size!r} does not divide "
-                         f"in_features={in_features}")
+    group_size = in_features if group_size is None else group_size
     groups = w.detach().float().reshape(out_features, -1, group_size)
     scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
     q = (groups / scale).round().clamp(-127, 127).to(torch.int8)
@@ -53,20 +45,31 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     groups = q.float().reshape(out_features, scale.shape[1], -1)
     return (groups * scale.float()[..., None]).reshape(out_features, in_features)
 
+# %% ../chapters/05_int8.ipynb #c11b-checks
+def _check_absmax(w, group_size) -> None:
+    """absmax_quantize's checks: w a 2-D float weight, group_size dividing its rows."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+        got = (f"shape {tuple(w.shape)}, {w.dtype}" if isinstance(w, torch.Tensor)
+               else type(w).__name__)
+        raise ValueError(f"w: give a 2-D float weight [out, in]; got {got}")
+    in_features = w.shape[1]
+    group_size = in_features if group_size is None else group_size
+    if (not isinstance(group_size, int) or isinstance(group_size, bool)
+            or group_size < 1 or in_features % group_size):
+        raise ValueError(f"group_size={group_size!r} does not divide "
+                         f"in_features={in_features}")
+
 # %% ../chapters/05_int8.ipynb #c21-int8linear
 class Int8Linear(nn.Module):
     """W8A16: a linear layer with int8 weights and float activations.
 
     `weight` holds q (int8, [out, in]) and `scale` one scale per output channel
-    ([out, 1]) or per group ([out, in // group_size]), in the model's float dtype.
-    """
+    ([out, 1]) or per group ([out, in // group_size]), in the model's float dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  group_size: int | None = None, dtype=torch.float32, device=None):
         super().__init__()
-        if group_size is not None and (group_size < 1 or in_features % group_size):
-            raise ValueError(f"group_size={group_size!r} does not divide "
-                             f"in_features={in_features}")
+        _check_layer_groups(group_size, in_features)  # hidden below
         self.in_features, self.out_features = in_features, out_features
         self.group_size = group_size
         groups = 1 if group_size is None else in_features // group_size
@@ -90,13 +93,6 @@ class Int8Linear(nn.Module):
             layer.bias.data.copy_(linear.bias.detach())
         return layer
 
-    @torch.no_grad()
-    def load_float(self, w: torch.Tensor) -> None:
-        """Quantize a float weight [out, in] into this layer (where the layer lives)."""
-        q, scale = absmax_quantize(w.to(self.weight.device), self.group_size)
-        self.weight.copy_(q)
-        self.scale.copy_(scale)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group_size is None:  # scale each output once, after the matmul
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale.view(-1).to(x.dtype)
@@ -104,13 +100,23 @@ class Int8Linear(nn.Module):
             y = F.linear(x, dequantize(self.weight, self.scale).to(x.dtype))
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, group_size={self.group_size}")
+# %% ../chapters/05_int8.ipynb #c21b-checks
+def _check_layer_groups(group_size, in_features: int) -> None:
+    """Int8Linear's check: group_size (if any) divides in_features."""
+    if group_size is not None and (group_size < 1 or in_features % group_size):
+        raise ValueError(f"group_size={group_size!r} does not divide "
+                         f"in_features={in_features}")
+
+
+def _int8_extra_repr(self) -> str:
+    return (f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, group_size={self.group_size}")
+
+
+Int8Linear.extra_repr = _int8_extra_repr
 
 # %% ../chapters/05_int8.ipynb #c31-int8int8
 _INT_MM_WORKS: dict[str, bool] = {}
-_exact_blocks = 0  # how many `with exact_int8_matmul():` blocks are open
 
 
 def int_mm_works(device) -> bool:
@@ -123,20 +129,6 @@ def int_mm_works(device) -> bool:
         except (RuntimeError, AttributeError, NotImplementedError):
             _INT_MM_WORKS[kind] = False
     return _INT_MM_WORKS[kind]
-
-
-@contextmanager
-def exact_int8_matmul():
-    """Within the block, int8_matmul multiplies CPU tensors in float, exactly:
-    the same int32 sums as torch._int_mm, and on a CPU without int8 dot
-    products (VNNI, AMX) many times faster than its plain loop. GPUs keep
-    torch._int_mm."""
-    global _exact_blocks
-    _exact_blocks += 1
-    try:
-        yield
-    finally:
-        _exact_blocks -= 1
 
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -154,15 +146,37 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     exact = torch.float32 if 128 * 128 * K <= 2**24 else torch.float64
     return (a.to(exact) @ b.to(exact)).to(torch.int32)
 
+# %% ../chapters/05_int8.ipynb #c31a-exact
+_exact_blocks = 0  # how many `with exact_int8_matmul():` blocks are open
 
+
+@contextmanager
+def exact_int8_matmul():
+    """Within the block, int8_matmul multiplies CPU tensors in float, exactly:
+    the same int32 sums as torch._int_mm, and on a CPU without int8 dot
+    products (VNNI, AMX) many times faster than its plain loop. GPUs keep
+    torch._int_mm."""
+    global _exact_blocks
+    _exact_blocks += 1
+    try:
+        yield
+    finally:
+        _exact_blocks -= 1
+
+
+def _check_w8a8_groups(group_size) -> None:
+    """Int8Int8Linear's check: W8A8 has no groups."""
+    if group_size is not None:
+        raise ValueError(f"group_size={group_size!r}: W8A8 uses one scale per "
+                         "output channel; give group_size=None")
+
+# %% ../chapters/05_int8.ipynb #c31c-w8a8
 class Int8Int8Linear(Int8Linear):
     """W8A8: int8 weights, activations quantized per token on the fly, int32 sums."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  group_size: int | None = None, dtype=torch.float32, device=None):
-        if group_size is not None:
-            raise ValueError(f"group_size={group_size!r}: W8A8 uses one scale per "
-                             "output channel; give group_size=None")
+        _check_w8a8_groups(group_size)  # one scale per output channel (hidden above)
         super().__init__(in_features, out_features, bias, None, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +188,7 @@ class Int8Int8Linear(Int8Linear):
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
-# %% ../chapters/05_int8.ipynb #c37-fbgemm
+# %% ../chapters/05_int8.ipynb #c36b-fbgemm
 def fbgemm_missing() -> str | None:
     """Why mode="fbgemm" cannot run with this PyTorch (None: it can)."""
     engines = set(torch.backends.quantized.supported_engines)
@@ -185,22 +199,34 @@ def fbgemm_missing() -> str | None:
     return None
 
 
+def _check_on_cpu(w: torch.Tensor) -> None:
+    """FbgemmLinear's check: fbgemm is a CPU kernel."""
+    if w.device.type != "cpu":
+        raise ValueError(f"FbgemmLinear runs on the CPU; this layer is on "
+                         f"{w.device}")
+
+
+def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor):
+    """Our int8 weight and per-channel scales, packed in fbgemm's layout."""
+    with warnings.catch_warnings():  # PyTorch marks quantized tensors as deprecated
+        warnings.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(
+            q, scale.view(-1).double(), torch.zeros(len(q), dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(qw, None)
+
+# %% ../chapters/05_int8.ipynb #c37-fbgemm
 class FbgemmLinear(nn.Module):
     """W8A8 on the CPU through PyTorch's fbgemm kernel (dynamic quantization).
 
-    Holds our absmax int8 weight (per output channel) packed for fbgemm. fbgemm
-    quantizes its input to 7 bits with one range per call; we divide each token by its
-    absmax and add two rows holding 1 and -1, so the range is always [-1, 1] and each
-    token is quantized on its own (the same result alone or in any batch). CPU only;
-    the packed weight is not in the state_dict.
-    """
+    Our absmax int8 weight (per output channel), packed for fbgemm. Each token is
+    divided by its absmax and two rows of 1 and -1 pin fbgemm's one input range per
+    call to [-1, 1]: each token is quantized on its own (the same result alone or in
+    any batch). CPU only; the packed weight is not in the state_dict."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         w = linear.weight.detach()
-        if w.device.type != "cpu":
-            raise ValueError(f"FbgemmLinear runs on the CPU; this layer is on "
-                             f"{w.device}")
+        _check_on_cpu(w)  # hidden above, with the packing
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.has_bias = linear.bias is not None
         q, scale = absmax_quantize(w)
@@ -210,11 +236,7 @@ class FbgemmLinear(nn.Module):
         frame = torch.zeros(2, self.in_features)  # two rows that pin fbgemm's input
         frame[:, 0] = torch.tensor([1.0, -1.0])    # range to [-1, 1]
         self.register_buffer("frame", frame, persistent=False)
-        with warnings.catch_warnings():  # PyTorch marks quantized tensors as deprecated
-            warnings.simplefilter("ignore")
-            qw = torch._make_per_channel_quantized_tensor(
-                q, scale.view(-1).double(), torch.zeros(len(q), dtype=torch.long), 0)
-            self._packed = torch.ops.quantized.linear_prepack(qw, None)
+        self._packed = _fbgemm_pack(q, scale)  # fbgemm's own layout
 
     def nbytes(self) -> int:
         """Bytes of the int8 weight, its float32 scales and bias."""
@@ -354,7 +376,7 @@ def quantize_targets(model, mode: str, group_size, skip) -> list[tuple[str, nn.M
                              "that; check the checkpoint (torch.isfinite)")
     return targets
 
-# %% ../chapters/05_int8.ipynb #c54-eval
+# %% ../chapters/05_int8.ipynb #c53b-eval
 def checked_ids(model: nn.Module, ids, window) -> torch.Tensor:
     """`ids` as a 1-D tensor of token ids, after checking them and `window`
     against the model (a ValueError names the bad value)."""
@@ -377,12 +399,12 @@ def checked_ids(model: nn.Module, ids, window) -> torch.Tensor:
                          f"{ids.numel()} ids, window={window!r}")
     return ids
 
-
+# %% ../chapters/05_int8.ipynb #c54-eval
 @torch.no_grad()
 def perplexity(model: nn.Module, ids: list[int] | torch.Tensor,
                window: int = 256) -> float:
     """exp(mean negative log-likelihood) of `ids`, read `window` tokens at a time."""
-    ids = checked_ids(model, ids, window)
+    ids = checked_ids(model, ids, window)  # token ids, checked (hidden above)
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for start in range(0, ids.numel() - 1, window):
@@ -394,6 +416,17 @@ def perplexity(model: nn.Module, ids: list[int] | torch.Tensor,
         loss = F.cross_entropy(logits[0, :-1], chunk[0, 1:], reduction="sum")
         total, count = total + loss.item(), count + chunk.shape[1] - 1
     return math.exp(total / count)
+
+# %% ../chapters/05_int8.ipynb #c62b-onload
+@torch.no_grad()
+def _load_float(self, w: torch.Tensor) -> None:
+    """Quantize a float weight [out, in] into this layer (where the layer lives)."""
+    q, scale = absmax_quantize(w.to(self.weight.device), self.group_size)
+    self.weight.copy_(q)
+    self.scale.copy_(scale)
+
+
+Int8Linear.load_float = _load_float
 
 # %% ../chapters/05_int8.ipynb #c63-onload
 def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
@@ -437,17 +470,7 @@ def activation_absmax(model: nn.Module, ids: list[int] | torch.Tensor,
 
     Returns {layer name: float32 [in_features]} (forward pre-hooks record it).
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model: give a torch.nn.Module, got "
-                         f"{type(model).__name__}")
-    if is_quantized(model):
-        raise ValueError("the model is quantized already: calibrate the float "
-                         "model, then quantize it")
-    ids = checked_ids(model, ids, window)
-    linears = {n: m for n, m in model.named_modules()
-               if isinstance(m, nn.Linear)}
-    if not linears:
-        raise ValueError("the model has no nn.Linear layer to calibrate")
+    ids, linears = _calibration_inputs(model, ids, window)  # checked (hidden below)
     found: dict[str, torch.Tensor] = {}
 
     def record(name):
@@ -467,6 +490,23 @@ def activation_absmax(model: nn.Module, ids: list[int] | torch.Tensor,
         for h in hooks:
             h.remove()
     return found
+
+# %% ../chapters/05_int8.ipynb #s10b-checks
+def _calibration_inputs(model, ids, window) -> tuple[torch.Tensor, dict]:
+    """activation_absmax's checks: a float model with linear layers, token ids and a
+    window that fit it. Returns the ids (1-D) and {name: nn.Linear}."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: give a torch.nn.Module, got "
+                         f"{type(model).__name__}")
+    if is_quantized(model):
+        raise ValueError("the model is quantized already: calibrate the float "
+                         "model, then quantize it")
+    ids = checked_ids(model, ids, window)
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, nn.Linear)}
+    if not linears:
+        raise ValueError("the model has no nn.Linear layer to calibrate")
+    return ids, linears
 
 # %% ../chapters/05_int8.ipynb #s20-smooth
 def smooth_groups(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
@@ -488,7 +528,7 @@ def smooth_groups(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
                     (f"{p}.mlp.down_proj",))]
     return groups
 
-
+# %% ../chapters/05_int8.ipynb #s20c-smooth
 @torch.no_grad()
 def smooth(model: nn.Module, act_max: dict[str, torch.Tensor],
            alpha: float = 0.5) -> dict[str, torch.Tensor]:
@@ -563,7 +603,7 @@ def smooth_plan(model: nn.Module, act_max: dict, alpha: float) -> list[tuple]:
         plan.append((source, src, lins, x))
     return plan
 
-# %% ../chapters/05_int8.ipynb #f10-quant
+# %% ../chapters/05_int8.ipynb #f09-helpers
 def _roundf(v: torch.Tensor) -> torch.Tensor:
     """C's roundf (halves away from zero), as llama.cpp's Python code does."""
     a = v.abs()
@@ -589,10 +629,8 @@ def _nibble_bytes(q: torch.Tensor) -> torch.Tensor:
     return q[:, :16] | (q[:, 16:] << 4)
 
 
-def gguf_quantize(w: torch.Tensor, kind: str) -> torch.Tensor:
-    """Float weights w [..., n] (n a multiple of 32) in one of llama.cpp's block
-    formats, Q8_0, Q4_0 or Q4_1: the bytes [..., n // 32 * bytes per block],
-    the same bytes as llama.cpp's reference quantizer (gguf.quants.quantize)."""
+def _gguf_blocks(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """gguf_quantize's checks; returns w's float32 blocks, one per row."""
     from minillm.gguf import BLOCKS
     if not isinstance(kind, str) or kind not in BLOCKS:
         raise ValueError(f"kind={kind!r}: give one of {sorted(BLOCKS)}")
@@ -607,6 +645,14 @@ def gguf_quantize(w: torch.Tensor, kind: str) -> torch.Tensor:
     low, high = torch.aminmax(x)
     if not (math.isfinite(low) and math.isfinite(high)):
         raise ValueError("w holds NaN or inf: a block's scale would be none")
+    return x
+
+# %% ../chapters/05_int8.ipynb #f10-quant
+def gguf_quantize(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """Float weights w [..., n] (n a multiple of 32) in one of llama.cpp's block
+    formats, Q8_0, Q4_0 or Q4_1: the bytes [..., n // 32 * bytes per block],
+    the same bytes as llama.cpp's reference quantizer (gguf.quants.quantize)."""
+    x = _gguf_blocks(w, kind)  # checked (hidden above); one block of 32 per row
     if kind == "Q8_0":  # x = d * q, q = round(x / d) in -127..127
         d = x.abs().amax(-1, keepdim=True) / 127
         q = _roundf(x * _inverse(d)).to(torch.int8).view(torch.uint8)

@@ -32,6 +32,19 @@ def _as_tuple(x, name: str) -> tuple:
         raise ValueError(f"{name}={x!r} is not allowed; give a list")
     return tuple(x)
 
+
+def _rows(x, B: int, name: str) -> list:
+    """One value per row: broadcast one value, or check that a list has B entries."""
+    if isinstance(x, torch.Tensor) and x.dim() == 2:  # prev_ids as a [B, L] tensor
+        x = list(x)
+    one_list = name.endswith("_ids") and isinstance(x, (list, tuple)) and (
+        len(x) == 0 or not isinstance(x[0], (list, tuple, torch.Tensor)))
+    if one_list or not isinstance(x, (list, tuple)):
+        return [x] * B  # the same value for every row
+    if len(x) != B:
+        raise ValueError(f"{name} has {len(x)} entries for a batch of {B} rows")
+    return list(x)
+
 # %% auto #0
 __all__ = ['MIN_TEMPERATURE', 'MIN_PENALTY', 'MAX_TEMPERATURE', 'MAX_PENALTY', 'MAX_LOGPROBS', 'SamplingParams',
            'check_sampling_params', 'make_generator', 'apply_repetition_penalty', 'apply_presence_frequency',
@@ -148,19 +161,6 @@ def make_generator(params: SamplingParams,
     return torch.Generator(device=device).manual_seed(params.seed)
 
 # %% ../chapters/02_naive_loop.ipynb #c038
-def _rows(x, B: int, name: str) -> list:
-    """One value per row: broadcast one value, or check that a list has B entries."""
-    if isinstance(x, torch.Tensor) and x.dim() == 2:  # prev_ids as a [B, L] tensor
-        x = list(x)
-    one_list = name.endswith("_ids") and isinstance(x, (list, tuple)) and (
-        len(x) == 0 or not isinstance(x[0], (list, tuple, torch.Tensor)))
-    if one_list or not isinstance(x, (list, tuple)):
-        return [x] * B  # the same value for every row
-    if len(x) != B:
-        raise ValueError(f"{name} has {len(x)} entries for a batch of {B} rows")
-    return list(x)
-
-
 def apply_repetition_penalty(logits: torch.Tensor, penalty: float,
                              prev_ids) -> torch.Tensor:
     """Make the tokens in prev_ids less likely: divide positive logits, multiply
@@ -225,7 +225,7 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams], prev_ids: list
     temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
     return logits / torch.tensor(temperature, device=logits.device)[:, None]
 
-
+# %% ../chapters/02_naive_loop.ipynb #c038b-2
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Both filters on one sort. Ties go to the lower id: top-k keeps exactly k."""
     B, V = logits.shape

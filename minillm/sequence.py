@@ -38,7 +38,7 @@ def _as_id_list(prompt_ids) -> list:
     return list(prompt_ids)
 
 # %% auto #0
-__all__ = ['WAITING', 'RUNNING', 'FINISHED', 'check_prompt', 'stop_ids', 'WindowDecoder', 'text_decoder', 'Logprob', 'Sequence',
+__all__ = ['WAITING', 'RUNNING', 'FINISHED', 'check_prompt', 'stop_ids', 'Logprob', 'WindowDecoder', 'text_decoder', 'Sequence',
            'block_early_stop']
 
 # %% ../chapters/02_naive_loop.ipynb #c049
@@ -80,6 +80,17 @@ def stop_ids(model, params: SamplingParams) -> set[int]:
     eos = set() if params.ignore_eos else set(config.eos_token_ids)
     return eos | set(params.stop_token_ids)
 
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability, its rank (1 = the most likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
 # %% ../chapters/02_naive_loop.ipynb #c049t
 class WindowDecoder:
     """Text deltas from any tokenizer with .decode(ids): decode the last few ids, with
@@ -106,17 +117,6 @@ def text_decoder(tokenizer, skip_special_tokens: bool = True):
     return WindowDecoder(tokenizer)
 
 # %% ../chapters/02_naive_loop.ipynb #c049v
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-
-@dataclass
-class Logprob:
-    """One token's log-probability, its rank (1 = the most likely) and its text."""
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
 @dataclass(eq=False)
 class Sequence:
     """One request, from arrival to finish. Every loop of the book keeps its state here.
@@ -164,12 +164,12 @@ class Sequence:
             return None
         return self.first_token_time - self.arrival_time
 
-# %% ../chapters/02_naive_loop.ipynb #c049v-s0
-def _create(cls, model, prompt_ids, params: SamplingParams | None = None,
-           tokenizer=None, request_id: str = "0",
-           arrival_time: float | None = None) -> "Sequence":
-    """`model`: the model or its ModelConfig (for the vocabulary, context, EOS)."""
-    params = SamplingParams() if params is None else params
+# %% ../chapters/02_naive_loop.ipynb #c049v-s0h
+def _check_request(model, prompt_ids, params: SamplingParams,
+                   tokenizer) -> tuple[list[int], frozenset]:
+    """Sequence.create's checks: the prompt (check_prompt), stop strings without
+    a tokenizer, min_tokens with nothing left to sample. Returns the prompt ids
+    and the stop ids."""
     ids = check_prompt(model, prompt_ids, params)  # empty, bad ids, too long
     if params.stop and not callable(getattr(tokenizer, "decode", None)):
         raise ValueError(f"stop={params.stop} needs a tokenizer with .decode(ids) "
@@ -181,20 +181,34 @@ def _create(cls, model, prompt_ids, params: SamplingParams | None = None,
         raise ValueError(f"the stop ids (EOS and stop_token_ids) cover all {vocab} "
                          f"token ids, and min_tokens={params.min_tokens} "
                          "forbids stopping: no token could ever be sampled")
+    return ids, stops
+
+
+def _check_arrival(arrival_time) -> float:
+    """A reading of time.perf_counter(), not in the future."""
+    now = time.perf_counter()
+    real = (isinstance(arrival_time, numbers.Real)
+            and not isinstance(arrival_time, bool))
+    if not real or not math.isfinite(arrival_time) or arrival_time > now:
+        raise ValueError(f"arrival_time={arrival_time!r:.40}: give a reading "
+                         "of time.perf_counter(), not in the future "
+                         f"(now: {now:.3f})")
+    return float(arrival_time)
+
+# %% ../chapters/02_naive_loop.ipynb #c049v-s0
+def _create(cls, model, prompt_ids, params: SamplingParams | None = None,
+           tokenizer=None, request_id: str = "0",
+           arrival_time: float | None = None) -> "Sequence":
+    """`model`: the model or its ModelConfig (for the vocabulary, context, EOS)."""
+    params = SamplingParams() if params is None else params
+    ids, stops = _check_request(model, prompt_ids, params, tokenizer)
     decoder = (None if tokenizer is None
                else text_decoder(tokenizer, params.skip_special_tokens))
     seq = cls(str(request_id), ids, params, stops, decoder)
     if params.logprobs is not None:
         seq.logprobs, seq.cumulative_logprob = [], 0.0
     if arrival_time is not None:
-        now = time.perf_counter()
-        real = (isinstance(arrival_time, numbers.Real)
-                and not isinstance(arrival_time, bool))
-        if not real or not math.isfinite(arrival_time) or arrival_time > now:
-            raise ValueError(f"arrival_time={arrival_time!r:.40}: give a reading "
-                             "of time.perf_counter(), not in the future "
-                             f"(now: {now:.3f})")
-        seq.arrival_time = float(arrival_time)
+        seq.arrival_time = _check_arrival(arrival_time)
     return seq
 
 
@@ -292,6 +306,9 @@ def _fail(self, message: str, now: float | None = None) -> str:
     return ""
 
 
+Sequence.finish, Sequence.fail = _finish, _fail
+
+# %% ../chapters/02_naive_loop.ipynb #c049v-s4
 def block_early_stop(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """min_tokens: a row whose request has fewer new tokens than its
     params.min_tokens cannot pick a stop id (EOS or stop_token_ids): those logits
@@ -305,6 +322,3 @@ def block_early_stop(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     for i, ids in rows:
         logits[i, ids] = float("-inf")
     return logits
-
-
-Sequence.finish, Sequence.fail = _finish, _fail

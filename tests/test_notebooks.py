@@ -94,6 +94,33 @@ def test_code_lines_fit_the_page(path):
                           f"{MAX_CODE_LINE} characters:\n" + "\n".join(too_long[:20]))
 
 
+HIDDEN_TAGS = {"hide-input", "hide-cell", "remove-cell", "remove-input"}
+MAX_VISIBLE_CELL = 60  # lines: a visible code cell is one step of the idea
+MAX_VISIBLE_BOOK = 8_000  # lines of visible code across the chapters
+
+
+def visible_code(path: Path) -> dict[str, int]:
+    """Lines of each code cell a reader sees on the website (id -> lines)."""
+    return {cell.get("id", str(i)): len("".join(cell["source"]).splitlines())
+            for i, cell in code_cells(path)
+            if not HIDDEN_TAGS & set(cell.get("metadata", {}).get("tags", []))}
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_visible_code_cells_are_one_step_each(path):
+    long = {i: n for i, n in visible_code(path).items() if n > MAX_VISIBLE_CELL}
+    assert not long, (f"{path.name}: visible code cells over {MAX_VISIBLE_CELL} lines "
+                      f"{long}: split them into steps with prose between, or move checks "
+                      "and plumbing into helpers in hidden (hide-cell) cells")
+
+
+def test_the_book_shows_a_readable_amount_of_code():
+    total = sum(sum(visible_code(p).values()) for p in CHAPTERS)
+    assert total <= MAX_VISIBLE_BOOK, (
+        f"the chapters show {total} lines of code (at most {MAX_VISIBLE_BOOK}): hide "
+        "plotting, checks and plumbing (hide-input / hide-cell), or cut")
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_default_exp_cell_is_hidden_on_the_site(path):
     untagged = [i for i, cell in code_cells(path) if DEFAULT_EXP.search("".join(cell["source"]))

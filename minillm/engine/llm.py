@@ -32,6 +32,7 @@ def _is_one_prompt(prompts) -> bool:
     return (isinstance(prompts, (list, tuple)) and len(prompts) > 0
             and isinstance(prompts[0], numbers.Integral))
 
+
 def load_for_llm(model, tokenizer, dtype, device, quantization):
     """LLM's model and tokenizer: a loaded model as it is, or a folder, a .gguf file
     or a Hub name loaded (dtype, device and quantization apply only then)."""
@@ -52,6 +53,37 @@ def load_for_llm(model, tokenizer, dtype, device, quantization):
                              "is loaded already: use model.to(...) or quantize()")
     return model, tokenizer
 
+
+def _check_seed(seed) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed < 2**64):
+        raise ValueError(f"seed={seed!r}: None or an int in [0, 2**64)")
+
+
+def _check_generate(prompts, sampling_params, use_tqdm: bool) -> tuple[list, list]:
+    """generate's arguments checked: the prompts as a list, and one SamplingParams
+    (or None) per prompt."""
+    params = sampling_params
+    if not isinstance(use_tqdm, bool):
+        raise ValueError(f"use_tqdm={use_tqdm!r}: must be True or False")
+    prompts = _prompt_list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt")
+    if isinstance(params, (list, tuple)):
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} params for {len(prompts)} prompts: "
+                             "give one SamplingParams, or one per prompt")
+    else:
+        params = [params] * len(prompts)
+    return prompts, params
+
+
+def _forget(engine: LLMEngine, ids: list[str]) -> None:
+    """Abort these requests and forget them: nothing stays queued or allocated."""
+    for rid in ids:
+        engine.abort(rid)
+        engine.pop(rid)
+
 # %% auto #0
 __all__ = ['load_for_llm', 'LLM', 'RequestError', 'TextStream']
 
@@ -67,9 +99,7 @@ class LLM:
                  quantization: str | None = None, policy: str = "continuous",
                  kv_cache: str | None = None, enable_chunked_prefill: bool = True,
                  seed: int | None = None, **options):
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                                 or not 0 <= seed < 2**64):
-            raise ValueError(f"seed={seed!r}: None or an int in [0, 2**64)")
+        _check_seed(seed)
         model, tokenizer = load_for_llm(model, tokenizer, dtype, device,
                                         quantization)
         self.engine = LLMEngine(model, tokenizer, max_num_seqs, max_num_batched_tokens,
@@ -83,26 +113,13 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: one prompt or a list (text or token ids); sampling_params: one for
         all or one per prompt. Returns the outputs in the order of the prompts."""
-        params = sampling_params
-        if not isinstance(use_tqdm, bool):
-            raise ValueError(f"use_tqdm={use_tqdm!r}: must be True or False")
-        prompts = _prompt_list(prompts)
-        if not prompts:
-            raise ValueError("prompts is empty; give at least one prompt")
-        if isinstance(params, (list, tuple)):
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} params for {len(prompts)} prompts: "
-                                 "give one SamplingParams, or one per prompt")
-        else:
-            params = [params] * len(prompts)
+        prompts, params = _check_generate(prompts, sampling_params, use_tqdm)
         ids = []
         try:  # all requests are checked before any runs; a bad one adds none
             for prompt, p in zip(prompts, params):
                 ids.append(self.engine.add_request(prompt, p))
         except BaseException:
-            for rid in ids:
-                self.engine.abort(rid)
-                self.engine.pop(rid)
+            _forget(self.engine, ids)
             raise
         return self._run(ids, use_tqdm, prompts)
 
@@ -120,9 +137,7 @@ def _run(self, ids: list[str], use_tqdm: bool,
             bar.update(len(done))
             todo -= done
     except BaseException:  # an error or Ctrl-C: nothing stays queued or allocated
-        for rid in ids:
-            engine.abort(rid)
-            engine.pop(rid)
+        _forget(engine, ids)
         raise
     finally:
         bar.close()

@@ -16,6 +16,9 @@ from ..kv.base import make_kv
 from ..sampling import SamplingParams
 from ..sequence import Sequence
 
+ENGINE_OPTIONS: dict = {}  # an option a later chapter adds -> check(value), which
+#                            returns apply(engine) (chapter 7: cuda_graphs=True)
+
 
 def check_engine_args(model, tokenizer, max_num_seqs, max_num_batched_tokens,
                       max_model_len, policy) -> tuple[int, int]:
@@ -56,10 +59,6 @@ def check_engine_args(model, tokenizer, max_num_seqs, max_num_batched_tokens,
 __all__ = ['ENGINE_OPTIONS', 'check_engine_args', 'LLMEngine']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43-engine
-ENGINE_OPTIONS: dict = {}  # an option a later chapter adds -> check(value), which
-#                            returns apply(engine) (chapter 7: cuda_graphs=True)
-
-
 class LLMEngine:
     """Serve many requests at once: add_request, then step() until has_unfinished()
     is False. Each step runs one forward for every running request."""
@@ -90,8 +89,6 @@ class LLMEngine:
         for apply in later:  # e.g. chapter 7's cuda_graphs=True
             apply(self)
 
-    MAX_HISTORY = 100_000  # steps kept in engine.history (the oldest half goes)
-
 # %% ../../chapters/04_continuous_batching.ipynb #c43b-engine
 def _add_request(self, prompt, params: SamplingParams | None = None,
                 request_id: str | None = None,
@@ -99,18 +96,7 @@ def _add_request(self, prompt, params: SamplingParams | None = None,
     """Queue one request (text or token ids). Everything is checked first: a bad
     request raises ValueError and changes nothing. With params.n > 1 the request
     has n answers, each with its own random numbers."""
-    if isinstance(prompt, str):
-        if self.tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer: give "
-                             "LLMEngine(model, tokenizer) or token ids")
-        if not prompt:
-            raise ValueError("the prompt is empty; give some text")
-        prompt = self.tokenizer.encode(prompt)
-    if request_id is None:  # the next number that nobody uses
-        request_id = next(str(i) for i in self._ids if str(i) not in self.groups)
-    if not isinstance(request_id, str) or request_id in self.groups \
-            or request_id in self.group_of:
-        raise ValueError(f"request_id={request_id!r}: give a new, unique string")
+    prompt, request_id = self._check_request(prompt, request_id)
     seq = Sequence.create(self.model, prompt, params, self.tokenizer, request_id,
                           arrival_time)
     self._check_fits(seq)
@@ -127,6 +113,24 @@ def _add_request(self, prompt, params: SamplingParams | None = None,
 LLMEngine.add_request = _add_request
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43b2-fits
+def _check_request(self, prompt, request_id) -> tuple:
+    """A text prompt encoded (it needs a tokenizer and some text); a new, unique
+    request id (None: the next number that nobody uses)."""
+    if isinstance(prompt, str):
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer: give "
+                             "LLMEngine(model, tokenizer) or token ids")
+        if not prompt:
+            raise ValueError("the prompt is empty; give some text")
+        prompt = self.tokenizer.encode(prompt)
+    if request_id is None:  # the next number that nobody uses
+        request_id = next(str(i) for i in self._ids if str(i) not in self.groups)
+    if not isinstance(request_id, str) or request_id in self.groups \
+            or request_id in self.group_of:
+        raise ValueError(f"request_id={request_id!r}: give a new, unique string")
+    return prompt, request_id
+
+
 def _check_fits(self, seq: Sequence) -> None:
     if seq.max_positions > self.max_model_len:
         raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens "
@@ -136,7 +140,8 @@ def _check_fits(self, seq: Sequence) -> None:
     if why:
         raise ValueError(why)
 
-LLMEngine._check_fits = _check_fits
+
+LLMEngine._check_request, LLMEngine._check_fits = _check_request, _check_fits
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43b4-answers
 def _answer(self, seq: Sequence, i: int) -> Sequence:
@@ -179,17 +184,7 @@ def _step(self) -> list[RequestOutput]:
         if token is None:
             continue  # a padding row, or a prompt with chunks still to compute
         useful += 1
-        logprobs = None
-        try:
-            if isinstance(token, Exception):
-                raise token  # its row could not be sampled
-            if isinstance(token, tuple):  # (id, {id: Logprob}): logprobs asked
-                token, logprobs = token
-                self._decode_logprobs(logprobs)
-            text = seq.append(token, now, logprobs)
-        except Exception as e:  # this request's own failure: it ends, others go on
-            text, logprobs = seq.fail(f"{type(e).__name__}: {e}", now), None
-        new = [] if seq.finish_reason == "error" else [token]
+        text, new, logprobs = self._take(seq, token, now)  # stop rules, errors
         self._delta(outputs, seq, text, new, logprobs)
         if seq.is_finished:
             self._finished(seq)
@@ -202,6 +197,24 @@ def _step(self) -> list[RequestOutput]:
 LLMEngine.step = _step
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43d2-record
+def _take(self, seq: Sequence, token, now: float) -> tuple:
+    """Hand the step's result to `seq`: its text piece, its new ids and logprobs.
+    A failure of its own (a row that could not be sampled, a token it cannot
+    decode) ends this request with an error; the others go on."""
+    logprobs = None
+    try:
+        if isinstance(token, Exception):
+            raise token  # its row could not be sampled
+        if isinstance(token, tuple):  # (id, {id: Logprob}): logprobs asked
+            token, logprobs = token
+            self._decode_logprobs(logprobs)
+        text = seq.append(token, now, logprobs)
+    except Exception as e:  # this request's own failure: it ends, others go on
+        text, logprobs = seq.fail(f"{type(e).__name__}: {e}", now), None
+    new = [] if seq.finish_reason == "error" else [token]
+    return text, new, logprobs
+
+
 def _delta(self, outputs: dict, seq: Sequence, text: str, new: list[int],
            logprobs: dict | None) -> None:
     """Add what this step gave `seq` to its request's RequestOutput."""
@@ -236,19 +249,28 @@ def _record(self, batch, start: float, end: float, useful: int,
         kv_reserved=reserved, kv_capacity=capacity))
 
 
-LLMEngine._delta, LLMEngine._decode_logprobs = _delta, _decode_logprobs
+LLMEngine._take, LLMEngine._delta = _take, _delta
+LLMEngine._decode_logprobs = _decode_logprobs
 LLMEngine._record = _record
+LLMEngine.MAX_HISTORY = 100_000  # steps kept in history (the oldest half goes)
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43f-engine
+def _finished(self, seq: Sequence) -> None:
+    self.scheduler.finished(seq)
+    self.runner.remove(seq)
+
+
+def _has_unfinished(self) -> bool:
+    return self.scheduler.has_unfinished()
+
+
+LLMEngine._finished, LLMEngine.has_unfinished = _finished, _has_unfinished
+
+# %% ../../chapters/04_continuous_batching.ipynb #c43f3-engine
 def _abort(self, request_id: str) -> RequestOutput:
     """Stop a request (all its answers) now and free its memory. Unknown ids
     raise KeyError."""
-    if not isinstance(request_id, str):
-        raise ValueError(f"request_id={request_id!r:.60}: request ids are strings")
-    seqs = self.groups.get(request_id)
-    if seqs is None:
-        raise KeyError(f"no request {request_id!r} (known: "
-                       f"{sorted(self.groups)[:5]}...)")
+    seqs = self._answers_of(request_id)  # a known id, or KeyError
     outputs = []
     for seq in seqs:
         text = ""
@@ -261,19 +283,17 @@ def _abort(self, request_id: str) -> RequestOutput:
     return RequestOutput(request_id, None, seqs[0].prompt_ids, outputs, True)
 
 
-def _finished(self, seq: Sequence) -> None:
-    self.scheduler.finished(seq)
-    self.runner.remove(seq)
+def _answers_of(self, request_id: str) -> list[Sequence]:
+    """The answers of a known request; an unknown id is a KeyError that names it."""
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id={request_id!r:.60}: request ids are strings")
+    seqs = self.groups.get(request_id)
+    if seqs is None:
+        raise KeyError(f"no request {request_id!r} (known: "
+                       f"{sorted(self.groups)[:5]}...)")
+    return seqs
 
 
-def _has_unfinished(self) -> bool:
-    return self.scheduler.has_unfinished()
-
-
-LLMEngine.abort, LLMEngine._finished = _abort, _finished
-LLMEngine.has_unfinished = _has_unfinished
-
-# %% ../../chapters/04_continuous_batching.ipynb #c43f3-engine
 def _is_finished(self, request_id: str) -> bool:
     """Have all of the request's answers finished?"""
     return all(s.is_finished for s in self.groups[request_id])
@@ -298,5 +318,7 @@ def _reset_prefix_cache(self) -> bool:
     reset = getattr(self.kv, "reset_prefix_cache", None)
     return bool(reset and reset())
 
+
+LLMEngine.abort, LLMEngine._answers_of = _abort, _answers_of
 LLMEngine.is_finished, LLMEngine.pop = _is_finished, _pop
 LLMEngine.reset_prefix_cache = _reset_prefix_cache

@@ -75,6 +75,10 @@ def _preempt(self, seq: Sequence) -> None:
     self.num_preemptions += 1
 
 
+PagedScheduler._make_room, PagedScheduler.victim = _make_room, _victim
+PagedScheduler.preempt = _preempt
+
+# %% ../../chapters/06_paged_attention.ipynb #c34e-too-long
 def _too_long(self, seq: Sequence) -> str | None:
     """Chapter 4's rule, and one more: without chunks, a preempted request is
     computed again in one step, prompt and output."""
@@ -87,8 +91,6 @@ def _too_long(self, seq: Sequence) -> str | None:
     return why
 
 
-PagedScheduler._make_room, PagedScheduler.victim = _make_room, _victim
-PagedScheduler.preempt = _preempt
 PagedScheduler.too_long = _too_long
 
 # %% ../../chapters/06_paged_attention.ipynb #c72n4-held
@@ -115,6 +117,9 @@ def _release(self, parent: Sequence) -> None:
             self.waiting.appendleft(child)
 
 
+PagedScheduler.add, PagedScheduler._release = _add, _release
+
+# %% ../../chapters/06_paged_attention.ipynb #c72n4-held2
 def _schedule(self):
     for parent, _ in list(self.held.values()):  # prompts computed last step
         if parent.num_computed_tokens >= len(parent.prompt_ids):
@@ -132,6 +137,5 @@ def _has_unfinished(self) -> bool:
     return Scheduler.has_unfinished(self) or bool(self.held)
 
 
-PagedScheduler.add, PagedScheduler._release = _add, _release
 PagedScheduler.schedule, PagedScheduler.finished = _schedule, _finished
 PagedScheduler.has_unfinished = _has_unfinished

@@ -80,7 +80,7 @@ def make_kv(kv_cache: str | None, options: dict, model, max_num_seqs: int,
     return build(model, max_num_seqs, max_model_len, policy,
                  max_num_batched_tokens, **options), scheduler
 
-# %% ../../chapters/04_continuous_batching.ipynb #c31a-packed
+# %% ../../chapters/04_continuous_batching.ipynb #c31a-groups
 def packed_groups(meta: StepMeta) -> list[tuple[torch.Tensor | slice, StepMeta]]:
     """How a packed step attends: the requests with one new token together (a
     batch of rows, [n, 1]), each longer run of new tokens (a prompt or a chunk
@@ -107,7 +107,7 @@ def packed_groups(meta: StepMeta) -> list[tuple[torch.Tensor | slice, StepMeta]]
         meta.cache["packed"] = groups
     return meta.cache["packed"]
 
-
+# %% ../../chapters/04_continuous_batching.ipynb #c31a-packed
 def packed_attention(kv, layer_idx: int, q: torch.Tensor,
                      meta: StepMeta) -> torch.Tensor:
     """Attention of a packed step, q [1, heads, T, d]: every request attends over

@@ -17,6 +17,17 @@ def check_block_size(block_size) -> int:
                          "(e.g. 16)")
     return block_size
 
+
+def _check_pool_args(num_blocks, block_size, enable_prefix_caching) -> None:
+    """BlockManager's arguments: a number of blocks, a block size, a flag."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) \
+            or num_blocks < 1:
+        raise ValueError(f"num_blocks={num_blocks!r}: must be an int >= 1")
+    check_block_size(block_size)
+    if not isinstance(enable_prefix_caching, bool):
+        raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: "
+                         "must be True or False")
+
 # %% auto #0
 __all__ = ['check_block_size', 'BlockManager']
 
@@ -36,13 +47,8 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16,
                  enable_prefix_caching: bool = True):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) \
-                or num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks!r}: must be an int >= 1")
-        self.num_blocks, self.block_size = num_blocks, check_block_size(block_size)
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: "
-                             "must be True or False")
+        _check_pool_args(num_blocks, block_size, enable_prefix_caching)
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.free_blocks = OrderedDict.fromkeys(range(num_blocks))  # in LRU order
@@ -56,7 +62,6 @@ class BlockManager:
         self.unpublished: set[str] = set()       # computed before a reset: never shared
         self.hits = self.queries = 0             # prefix-cache statistics, in blocks
 
-    # --- sizes ---
     @property
     def num_free(self) -> int:
         return len(self.free_blocks)
@@ -64,9 +69,38 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
 
-    # --- the scheduler's questions ---
+# %% ../../chapters/06_paged_attention.ipynb #c20-blocks-checks
+def _check_allocate(bm: BlockManager, request_id: str, token_ids: list[int]) -> None:
+    """Before allocate: the request holds no blocks yet, and its blocks are free."""
+    if request_id in bm.tables:
+        raise ValueError(f"request {request_id!r} holds blocks already")
+    if not bm.can_allocate(token_ids, request_id):
+        raise RuntimeError("not enough free blocks: ask can_allocate first")
 
-    # --- internals ---
+
+def _check_fork(bm: BlockManager, child_id: str) -> None:
+    """Before fork: the child holds no blocks yet, and one block is free."""
+    if child_id in bm.tables:
+        raise ValueError(f"request {child_id!r} holds blocks already")
+    if bm.num_free < 1:
+        raise RuntimeError("no free block to fork into: check num_free first")
+
+
+def _check(self) -> None:
+    """The invariants (the tests call this after every operation)."""
+    counts = [0] * self.num_blocks
+    for table in self.tables.values():
+        for block in table:
+            counts[block] += 1
+    assert counts == self.ref_count, "reference counts do not match the tables"
+    for block in range(self.num_blocks):
+        assert (block in self.free_blocks) == (self.ref_count[block] == 0), \
+            f"block {block} is free and referenced, or neither"
+    for h, block in self.cached.items():
+        assert self.hash_of[block] == h, f"block {block} lost its hash"
+
+
+BlockManager.check = _check
 
 # %% ../../chapters/06_paged_attention.ipynb #c20-blocks-s0
 def _can_allocate(self, token_ids: list[int], request_id: str | None = None) -> bool:
@@ -80,10 +114,7 @@ def _can_allocate(self, token_ids: list[int], request_id: str | None = None) -> 
 def _allocate(self, request_id: str, token_ids: list[int]) -> int:
     """Give a request the blocks for its tokens; returns how many of its first
     tokens are already in the cache (their prefill can be skipped)."""
-    if request_id in self.tables:
-        raise ValueError(f"request {request_id!r} holds blocks already")
-    if not self.can_allocate(token_ids, request_id):
-        raise RuntimeError("not enough free blocks: ask can_allocate first")
+    _check_allocate(self, request_id, token_ids)
     shared = self.cached_prefix(token_ids, request_id)
     table = []
     for block in shared:
@@ -160,25 +191,9 @@ def _take(self, block: int) -> int:
     return block
 
 
-def _check(self) -> None:
-    """The invariants (the tests call this after every operation)."""
-    counts = [0] * self.num_blocks
-    for table in self.tables.values():
-        for block in table:
-            counts[block] += 1
-    assert counts == self.ref_count, "reference counts do not match the tables"
-    for block in range(self.num_blocks):
-        assert (block in self.free_blocks) == (self.ref_count[block] == 0), \
-            f"block {block} is free and referenced, or neither"
-    for h, block in self.cached.items():
-        assert self.hash_of[block] == h, f"block {block} lost its hash"
-
-
 BlockManager._evict, BlockManager._take = _evict, _take
-BlockManager.check = _check
 
 # %% ../../chapters/06_paged_attention.ipynb #c20b-blocks
-# --- prefix hashes ---
 def _block_keys(self, token_ids: list[int],
                 request_id: str | None = None) -> list[tuple[bytes, tuple]]:
     """(hash, key) per *full* block: key = (the previous block's hash, its token
@@ -200,6 +215,9 @@ def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
     return [h for h, _ in self.block_keys(token_ids)]
 
 
+BlockManager.block_keys, BlockManager.block_hashes = _block_keys, _block_hashes
+
+# %% ../../chapters/06_paged_attention.ipynb #c20b-blocks2
 def _cached_prefix(self, token_ids: list[int],
                    request_id: str | None = None) -> list[int]:
     """The cached blocks this token list starts with. The last token is always
@@ -218,7 +236,6 @@ def _cached_prefix(self, token_ids: list[int],
     return found
 
 
-BlockManager.block_keys, BlockManager.block_hashes = _block_keys, _block_hashes
 BlockManager.cached_prefix = _cached_prefix
 
 # %% ../../chapters/06_paged_attention.ipynb #c20b3-blocks
@@ -262,10 +279,7 @@ def _fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple | None:
     own. If that block also holds earlier positions, it starts as a copy of the
     parent's (copy-on-write): returns (parent's block, child's block) for the
     caller to copy the K/V, else None."""
-    if child_id in self.tables:
-        raise ValueError(f"request {child_id!r} holds blocks already")
-    if self.num_free < 1:
-        raise RuntimeError("no free block to fork into: check num_free first")
+    _check_fork(self, child_id)
     last = num_tokens - 1  # the position the child computes
     parent = self.tables[parent_id][:self.blocks_for(num_tokens)]
     table = [self._take(block) for block in parent[:last // self.block_size]]

@@ -73,6 +73,28 @@ class KVMemoryError(ValueError):
     anything is allocated)."""
 
 
+def _check_cache_args(sizes: dict, dtype, device) -> torch.device:
+    """The checks of KVCache(...): positive sizes, a float dtype, a torch device."""
+    for name, value in sizes.items():
+        _positive_int(name, value)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype!r}: K and V need a floating-point "
+                         "torch.dtype")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device ({e})") from None
+
+
+def _check_room(num_tokens, length: int, max_seq_len: int) -> None:
+    """prepare(num_tokens) must fit in the positions the cache has left."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise ValueError(f"num_tokens={num_tokens!r}: must be an int")
+    if num_tokens <= 0 or length + num_tokens > max_seq_len:
+        raise ValueError(f"cannot add {num_tokens} tokens: the cache holds {length} "
+                         f"of {max_seq_len} positions")
+
+
 def check_kv_fits(need: int, device: torch.device, asked: str, fix: str) -> None:
     """Refuse `need` bytes of K/V beyond the device's free memory; the message names
     what the caller asked for (`asked`) and what to change (`fix`)."""
@@ -98,15 +120,7 @@ class KVCache:
                  device: str | torch.device = "cpu"):
         sizes = dict(num_layers=num_layers, num_kv_heads=num_kv_heads,
                      head_dim=head_dim, max_seq_len=max_seq_len, batch_size=batch_size)
-        for name, value in sizes.items():
-            _positive_int(name, value)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype={dtype!r}: K and V need a floating-point "
-                             "torch.dtype")
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device={device!r} is not a torch device ({e})") from None
+        device = _check_cache_args(sizes, dtype, device)
         slots = batch_size * max_seq_len + 1  # + the spare slot for padding
         need = 2 * num_layers * slots * num_kv_heads * head_dim * dtype.itemsize
         check_kv_fits(need, device, f"a KV cache of batch_size={batch_size} x "
@@ -162,12 +176,8 @@ def _prepare(self, num_tokens: int) -> StepMeta:
     """Reserve the next `num_tokens` positions of every row for the coming forward.
 
     Returns the forward's StepMeta: positions, slots, lengths, the last token."""
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-        raise ValueError(f"num_tokens={num_tokens!r}: must be an int")
+    _check_room(num_tokens, self.length, self.max_seq_len)
     start, end = self.length, self.length + num_tokens
-    if num_tokens <= 0 or end > self.max_seq_len:
-        raise ValueError(f"cannot add {num_tokens} tokens: the cache holds {start} "
-                         f"of {self.max_seq_len} positions")
     B, device = self.batch_size, self.positions.device
     positions = self.positions[start:end].expand(B, num_tokens)
     rows = torch.arange(B, device=device)[:, None]
@@ -202,6 +212,9 @@ def _attention(self, layer_idx: int, q: torch.Tensor,
     return cached_attention(q, k_all, v_all, meta)
 
 
+KVCache.attend, KVCache.attention = _attend, _attention
+
+# %% ../../chapters/03_kv_cache.ipynb #c018-s1b
 def _store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
           slot_mapping: torch.Tensor) -> None:
     """Write each new token's K and V into its slot: no torch.cat, no new tensor."""
@@ -228,7 +241,6 @@ def _gather(self, layer_idx: int, meta: StepMeta):
     return k_rows.transpose(1, 2), v_rows.transpose(1, 2)
 
 
-KVCache.attend, KVCache.attention = _attend, _attention
 KVCache.store, KVCache.gather = _store, _gather
 
 # %% ../../chapters/03_kv_cache.ipynb #c018-s2

@@ -14,16 +14,16 @@ from .contiguous import KVCache, KVMemoryError, check_kv_fits
 from ..model import StepMeta
 from ..sequence import Sequence
 
+
+def token_ids(seq: Sequence) -> list[int]:
+    """Every token of a request so far: its prompt and what it generated."""
+    return seq.prompt_ids + seq.output_ids
+
 # %% auto #0
 __all__ = ['token_ids', 'PagedKVCache', 'weights_version', 'check_utilization', 'kv_bytes_from_memory', 'profile_kv_bytes',
            'paged_cache']
 
 # %% ../../chapters/06_paged_attention.ipynb #c30-paged
-def token_ids(seq: Sequence) -> list[int]:
-    """Every token of a request so far: its prompt and what it generated."""
-    return seq.prompt_ids + seq.output_ids
-
-
 class PagedKVCache(PackedSteps, KVCache):
     """Chapter 6's KV backend: K and V in blocks of `block_size` tokens.
 
@@ -62,12 +62,43 @@ class PagedKVCache(PackedSteps, KVCache):
         table, bs = self.blocks.tables[seq.request_id], self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def __repr__(self) -> str:
-        _, h, d = self.k[0].shape
-        return (f"PagedKVCache(layers={len(self.k)}, blocks={self.num_blocks} x "
-                f"{self.block_size} tokens, kv_heads={h}, head_dim={d}, "
-                f"dtype={self.k[0].dtype}, free={self.num_free}, "
-                f"{self.nbytes / 2**20:.2f} MiB)")
+# %% ../../chapters/06_paged_attention.ipynb #c30-paged-hidden
+def _repr(self) -> str:
+    _, h, d = self.k[0].shape
+    return (f"PagedKVCache(layers={len(self.k)}, blocks={self.num_blocks} x "
+            f"{self.block_size} tokens, kv_heads={h}, head_dim={d}, "
+            f"dtype={self.k[0].dtype}, free={self.num_free}, "
+            f"{self.nbytes / 2**20:.2f} MiB)")
+
+
+PagedKVCache.__repr__ = _repr
+
+
+def _check_pool_budget(num_blocks, kv_cache_bytes, block_size) -> None:
+    """from_model's arguments: one of num_blocks and kv_cache_bytes (an int)."""
+    check_block_size(block_size)
+    if (num_blocks is None) == (kv_cache_bytes is None):
+        raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
+    if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool)
+                                       or not isinstance(kv_cache_bytes, int)):
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes!r}: give an int")
+
+
+def _check_pool_fits(cls, model, num_blocks, kv_cache_bytes, block_size) -> None:
+    """At least one block, and the device has the memory for them all."""
+    c, w = model.config, model.embed_tokens.weight
+    per_block = cls.block_bytes(c, block_size, w.dtype)
+    if kv_cache_bytes is not None and num_blocks < 1:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block: "
+                         f"one block of {block_size} tokens needs {per_block} "
+                         "bytes")
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) \
+            or num_blocks < 1:
+        raise ValueError(f"num_blocks={num_blocks!r}: must be an int >= 1")
+    asked = (f"num_blocks={num_blocks}" if kv_cache_bytes is None
+             else f"kv_cache_bytes={kv_cache_bytes} ({num_blocks} blocks)")
+    check_kv_fits(num_blocks * per_block, w.device, f"{asked} of {block_size} tokens",
+                  "use fewer blocks (num_blocks or kv_cache_bytes)")
 
 # %% ../../chapters/06_paged_attention.ipynb #c30-paged-s0
 def _from_model(cls, model, num_blocks: int | None = None,
@@ -75,26 +106,10 @@ def _from_model(cls, model, num_blocks: int | None = None,
                enable_prefix_caching: bool = True) -> "PagedKVCache":
     """A pool for `model` given as a number of blocks or as a memory budget."""
     c, w = model.config, model.embed_tokens.weight
-    check_block_size(block_size)
-    if (num_blocks is None) == (kv_cache_bytes is None):
-        raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
-    if kv_cache_bytes is not None:
-        if isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int):
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes!r}: give an int")
-        per_block = cls.block_bytes(c, block_size, w.dtype)
-        num_blocks = kv_cache_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block: "
-                             f"one block of {block_size} tokens needs {per_block} "
-                             "bytes")
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) \
-            or num_blocks < 1:
-        raise ValueError(f"num_blocks={num_blocks!r}: must be an int >= 1")
-    asked = (f"num_blocks={num_blocks}" if kv_cache_bytes is None
-             else f"kv_cache_bytes={kv_cache_bytes} ({num_blocks} blocks)")
-    check_kv_fits(num_blocks * cls.block_bytes(c, block_size, w.dtype), w.device,
-                  f"{asked} of {block_size} tokens",
-                  "use fewer blocks (num_blocks or kv_cache_bytes)")
+    _check_pool_budget(num_blocks, kv_cache_bytes, block_size)
+    if kv_cache_bytes is not None:  # as many blocks as fit in the budget
+        num_blocks = kv_cache_bytes // cls.block_bytes(c, block_size, w.dtype)
+    _check_pool_fits(cls, model, num_blocks, kv_cache_bytes, block_size)
     pool = cls(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
                w.dtype, w.device, enable_prefix_caching)
     pool.model = model  # its weights are checked before the cache is used
@@ -105,6 +120,26 @@ PagedKVCache.from_model = classmethod(_from_model)
 
 # %% ../../chapters/06_paged_attention.ipynb #c30b-paged
 # --- the scheduler's memory interface (the same calls as chapter 4's slots) ---
+def _can_allocate(self, seq: Sequence) -> bool:
+    return self.blocks.can_allocate(token_ids(seq), seq.request_id)
+
+
+def _allocate(self, seq: Sequence) -> int:
+    """Its blocks; returns how many of its tokens the prefix cache held."""
+    return self.blocks.allocate(seq.request_id, token_ids(seq))
+
+
+def _cached_tokens(self, seq: Sequence) -> int:
+    """Tokens of the request that the prefix cache holds (before allocate)."""
+    self.check_weights()
+    return (len(self.blocks.cached_prefix(token_ids(seq), seq.request_id))
+            * self.block_size)
+
+
+PagedKVCache.can_allocate, PagedKVCache.allocate = _can_allocate, _allocate
+PagedKVCache.cached_tokens = _cached_tokens
+
+# %% ../../chapters/06_paged_attention.ipynb #c30b-paged-hidden
 def _too_long(self, seq: Sequence) -> str | None:
     """Why a request can never run here (None: it can, when blocks are free)."""
     need = self.blocks.blocks_for(seq.max_positions)
@@ -122,25 +157,7 @@ def _usage(self) -> tuple[int, int]:
     return held * self.block_size, self.num_blocks * self.block_size
 
 
-def _can_allocate(self, seq: Sequence) -> bool:
-    return self.blocks.can_allocate(token_ids(seq), seq.request_id)
-
-
-def _allocate(self, seq: Sequence) -> int:
-    """Its blocks; returns how many of its tokens the prefix cache held."""
-    return self.blocks.allocate(seq.request_id, token_ids(seq))
-
-
-def _cached_tokens(self, seq: Sequence) -> int:
-    """Tokens of the request that the prefix cache holds (before allocate)."""
-    self.check_weights()
-    return (len(self.blocks.cached_prefix(token_ids(seq), seq.request_id))
-            * self.block_size)
-
-
 PagedKVCache.too_long, PagedKVCache.usage = _too_long, _usage
-PagedKVCache.can_allocate, PagedKVCache.allocate = _can_allocate, _allocate
-PagedKVCache.cached_tokens = _cached_tokens
 
 # %% ../../chapters/06_paged_attention.ipynb #c30b2-weights
 def weights_version(model: torch.nn.Module) -> tuple:
@@ -187,7 +204,6 @@ PagedKVCache.can_append, PagedKVCache.append_slot = _can_append, _append_slot
 PagedKVCache.free = _free
 
 # %% ../../chapters/06_paged_attention.ipynb #c30d-paged
-# --- what the runner asks ---
 def _block_table(self, seq: Sequence) -> list[int]:
     return list(self.blocks.tables[seq.request_id])
 
@@ -228,7 +244,7 @@ def _gather(self, layer_idx: int, meta: StepMeta):
 PagedKVCache.block_table, PagedKVCache.commit = _block_table, _commit
 PagedKVCache.gather = _gather
 
-# %% ../../chapters/06_paged_attention.ipynb #c37b-memory
+# %% ../../chapters/06_paged_attention.ipynb #c37b-checks
 def check_utilization(utilization) -> None:
     if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) \
             or not 0 < utilization <= 1:
@@ -236,6 +252,28 @@ def check_utilization(utilization) -> None:
                          "in (0, 1], the share of the GPU's memory this engine may use")
 
 
+def _no_room_for_kv(utilization, total, used, rise, allowed) -> KVMemoryError:
+    gib = 2**30
+    return KVMemoryError(
+        f"gpu_memory_utilization={utilization}: {allowed / gib:.2f} GiB of "
+        f"{total / gib:.2f} GiB allowed, {used / gib:.2f} GiB in use and the "
+        f"warm-up step peaked {rise / gib:.2f} GiB above that: no room "
+        "for the KV cache; raise gpu_memory_utilization, lower "
+        "max_num_batched_tokens, or use a smaller model")
+
+
+def _check_paged_args(policy, gpu_memory_utilization, num_blocks,
+                      kv_cache_bytes) -> None:
+    """paged_cache's arguments: continuous batching, and one way to size the pool."""
+    if policy != "continuous":
+        raise ValueError(f"policy={policy!r}: kv_cache='paged' schedules continuously")
+    if gpu_memory_utilization is not None:
+        if num_blocks is not None or kv_cache_bytes is not None:
+            raise ValueError("give one of num_blocks, kv_cache_bytes and "
+                             "gpu_memory_utilization")
+        check_utilization(gpu_memory_utilization)
+
+# %% ../../chapters/06_paged_attention.ipynb #c37b-memory
 def kv_bytes_from_memory(utilization: float, total: int, used: int, peak: int,
                          current: int) -> int:
     """The KV pool's bytes: of `total`, `utilization` may be used; `used` (now, by
@@ -244,16 +282,10 @@ def kv_bytes_from_memory(utilization: float, total: int, used: int, peak: int,
     allowed = int(total * utilization)
     kv = allowed - used - (peak - current)
     if kv <= 0:
-        gib = 2**30
-        raise KVMemoryError(
-            f"gpu_memory_utilization={utilization}: {allowed / gib:.2f} GiB of "
-            f"{total / gib:.2f} GiB allowed, {used / gib:.2f} GiB in use and the "
-            f"warm-up step peaked {(peak - current) / gib:.2f} GiB above that: no room "
-            "for the KV cache; raise gpu_memory_utilization, lower "
-            "max_num_batched_tokens, or use a smaller model")
+        raise _no_room_for_kv(utilization, total, used, peak - current, allowed)
     return kv
 
-
+# %% ../../chapters/06_paged_attention.ipynb #c37b-profile
 def profile_kv_bytes(model, utilization: float, num_tokens: int,
                      max_model_len: int) -> int:
     """One warm-up forward of `num_tokens` tokens (rows of up to max_model_len), then
@@ -290,13 +322,8 @@ def paged_cache(model, max_num_seqs: int, max_model_len: int,
     or as many as fit in kv_cache_bytes, or (on a GPU) in what gpu_memory_utilization
     leaves after a warm-up step of max_num_batched_tokens tokens; none of them: as
     many positions as chapter 4's slots would reserve (max_num_seqs x max_model_len)."""
-    if policy != "continuous":
-        raise ValueError(f"policy={policy!r}: kv_cache='paged' schedules continuously")
+    _check_paged_args(policy, gpu_memory_utilization, num_blocks, kv_cache_bytes)
     if gpu_memory_utilization is not None:
-        if num_blocks is not None or kv_cache_bytes is not None:
-            raise ValueError("give one of num_blocks, kv_cache_bytes and "
-                             "gpu_memory_utilization")
-        check_utilization(gpu_memory_utilization)
         kv_cache_bytes = profile_kv_bytes(model, gpu_memory_utilization,
                                           max_num_batched_tokens, max_model_len)
     if num_blocks is None and kv_cache_bytes is None:

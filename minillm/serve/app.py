@@ -23,7 +23,13 @@ from .protocol import (APIError, ChatCompletionRequest,
 
 router = APIRouter()
 
+# %% auto #0
+__all__ = ['router', 'Server', 'server', 'build_app', 'api_error', 'validation_error', 'http_error', 'health', 'metrics',
+           'list_models', 'submit', 'one_prompt', 'rest_of_context', 'Usage', 'samples', 'until_disconnect',
+           'unless_gone', 'token_text', 'completion_logprobs', 'chat_logprobs', 'Sample', 'create_completion', 'gather',
+           'create_chat_completion', 'sse', 'event_stream']
 
+# %% ../../chapters/09_serving.ipynb #s40b-app
 @dataclass
 class Server:
     """What the routes share: the engine's async end, the metrics, the names."""
@@ -43,12 +49,6 @@ class Server:
 def server(request: Request) -> Server:
     return request.app.state.server
 
-# %% auto #0
-__all__ = ['router', 'Server', 'server', 'build_app', 'api_error', 'validation_error', 'http_error', 'health', 'metrics',
-           'list_models', 'submit', 'one_prompt', 'rest_of_context', 'Usage', 'samples', 'until_disconnect',
-           'unless_gone', 'token_text', 'completion_logprobs', 'chat_logprobs', 'create_completion', 'Sample', 'gather',
-           'create_chat_completion', 'sse', 'event_stream']
-
 # %% ../../chapters/09_serving.ipynb #s41-build
 def build_app(engine, model_name: str = "minillm",
               request_timeout: float | None = None,
@@ -56,14 +56,7 @@ def build_app(engine, model_name: str = "minillm",
     """A FastAPI app serving `engine` (an LLMEngine, or an LLM: its .engine).
     The engine thread starts with the app and stops with it."""
     engine = getattr(engine, "engine", engine)
-    for name, value in [("request_timeout", request_timeout),
-                        ("max_waiting", max_waiting)]:
-        if value is not None and not (isinstance(value, (int, float))
-                                      and not isinstance(value, bool)
-                                      and value > 0):
-            raise ValueError(f"{name}={value!r}: give a number > 0 or None")
-    if engine.tokenizer is None:
-        raise ValueError("the engine has no tokenizer: the API speaks text")
+    _check_build_args(engine, request_timeout, max_waiting)
     async_engine = AsyncEngine(engine, request_timeout, max_waiting)
     metrics = ServerMetrics(model_name, lambda: async_engine.stats)
     async_engine.metrics = metrics
@@ -101,6 +94,17 @@ async def http_error(request: Request, e: HTTPException) -> JSONResponse:
     """404 for an unknown path, 405 for a wrong method, in OpenAI's format."""
     return await api_error(request, APIError(e.status_code, str(e.detail)))
 
+
+def _check_build_args(engine, request_timeout, max_waiting) -> None:
+    for name, value in [("request_timeout", request_timeout),
+                        ("max_waiting", max_waiting)]:
+        if value is not None and not (isinstance(value, (int, float))
+                                      and not isinstance(value, bool)
+                                      and value > 0):
+            raise ValueError(f"{name}={value!r}: give a number > 0 or None")
+    if engine.tokenizer is None:
+        raise ValueError("the engine has no tokenizer: the API speaks text")
+
 # %% ../../chapters/09_serving.ipynb #s43-routes
 @router.get("/health")
 async def health(request: Request) -> Response:
@@ -131,7 +135,7 @@ async def submit(s: Server, prompt_ids: list[int], params,
     except ValueError as e:
         raise bad_request(e, names) from None
 
-
+# %% ../../chapters/09_serving.ipynb #s44b-submit
 def one_prompt(s: Server, prompt) -> list[int]:
     """The prompt's token ids: text, token ids, or a list holding one of them."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -152,7 +156,7 @@ def rest_of_context(s: Server, prompt_ids: list[int]) -> int:
                        f"max_model_len is {s.max_model_len}", param="messages")
     return left
 
-# %% ../../chapters/09_serving.ipynb #s45-collect
+
 @dataclass
 class Usage:
     prompt_tokens: int
@@ -163,7 +167,7 @@ class Usage:
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
-
+# %% ../../chapters/09_serving.ipynb #s45-collect
 async def samples(stream: RequestStream, usage: Usage):
     """Each step's CompletionOutput of each sample, in order; counts tokens.
     A sample that failed is a 500; a timeout comes as the stream's APIError."""
@@ -236,6 +240,17 @@ def chat_logprobs(s: Server, c, k: int) -> dict | None:
                         "top_logprobs": [entry(t, lp) for t, lp in best]})
     return {"content": content}
 
+
+@dataclass
+class Sample:
+    """One whole answer, put together from its deltas (for a non-stream reply)."""
+    index: int
+    text: str = ""
+    token_ids: list | None = None
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: object = None
+
 # %% ../../chapters/09_serving.ipynb #s47-completions
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request):
@@ -262,17 +277,6 @@ async def create_completion(body: CompletionRequest, request: Request):
     return {**head, "choices": choices, "usage": usage.as_dict()}
 
 # %% ../../chapters/09_serving.ipynb #s48-gather
-@dataclass
-class Sample:
-    """One whole answer, put together from its deltas (for a non-stream reply)."""
-    index: int
-    text: str = ""
-    token_ids: list | None = None
-    logprobs: list | None = None
-    finish_reason: str | None = None
-    stop_reason: object = None
-
-
 async def gather(stream: RequestStream, usage: Usage, n: int) -> list[Sample]:
     """Every sample's text, ids, logprobs and finish reason, once all are done."""
     answers = [Sample(i, token_ids=[]) for i in range(n)]
@@ -290,20 +294,9 @@ async def gather(stream: RequestStream, usage: Usage, n: int) -> list[Sample]:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     s = server(request)
     s.check_model(body.model)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        prompt_ids = s.tokenizer.apply_chat_template(  # token ids, as LLM.chat
-            messages, add_generation_prompt=True)
-    except ValueError as e:  # no template, or the template refused them
-        raise APIError(400, str(e), param="messages") from None
-    max_tokens = (body.max_tokens if body.max_completion_tokens is None
-                  else body.max_completion_tokens)
+    prompt_ids = _chat_prompt(s, body.messages)  # the chat template's token ids
+    max_tokens, names = _chat_limits(s, body, prompt_ids)
     k = body.top_logprobs or 0
-    names = {"max_tokens": "max_completion_tokens"
-             if body.max_completion_tokens is not None else "max_tokens",
-             "logprobs": "top_logprobs"}
-    if max_tokens is None:
-        max_tokens = rest_of_context(s, prompt_ids)
     params = body.sampling_params(max_tokens,
                                   k if body.logprobs else None, names)
     stream = await submit(s, prompt_ids, params, names)
@@ -325,12 +318,38 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                             "chat.completion.chunk"}, usage, delta)
     answers = await unless_gone(request, s, stream,
                                 gather(stream, usage, params.n))
-    choices = [{"index": a.index, "message": {"role": "assistant",
-                                              "content": a.text},
-                "logprobs": chat_logprobs(s, a, k),
-                "finish_reason": a.finish_reason, "stop_reason": a.stop_reason}
-               for a in answers]
+    choices = [_chat_choice(s, a, k) for a in answers]
     return {**head, "choices": choices, "usage": usage.as_dict()}
+
+# %% ../../chapters/09_serving.ipynb #s49b-chat
+def _chat_prompt(s: Server, messages) -> list[int]:
+    """The messages through the chat template, as token ids (as LLM.chat)."""
+    messages = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return s.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True)
+    except ValueError as e:  # no template, or the template refused them
+        raise APIError(400, str(e), param="messages") from None
+
+
+def _chat_limits(s: Server, body, prompt_ids: list[int]) -> tuple[int, dict]:
+    """max_tokens (max_completion_tokens, else max_tokens, else the rest of the
+    context), and the names the client gave to the engine's fields."""
+    max_tokens = (body.max_tokens if body.max_completion_tokens is None
+                  else body.max_completion_tokens)
+    names = {"max_tokens": "max_completion_tokens"
+             if body.max_completion_tokens is not None else "max_tokens",
+             "logprobs": "top_logprobs"}
+    if max_tokens is None:
+        max_tokens = rest_of_context(s, prompt_ids)
+    return max_tokens, names
+
+
+def _chat_choice(s: Server, a, k: int) -> dict:
+    """One whole answer as a choice of a chat.completion object."""
+    return {"index": a.index, "message": {"role": "assistant", "content": a.text},
+            "logprobs": chat_logprobs(s, a, k),
+            "finish_reason": a.finish_reason, "stop_reason": a.stop_reason}
 
 # %% ../../chapters/09_serving.ipynb #s50-sse
 def sse(data) -> str:

@@ -27,7 +27,10 @@ class EngineStats:
     def kv_usage(self) -> float:
         return self.kv_reserved / max(self.kv_capacity, 1)
 
+# %% auto #0
+__all__ = ['EngineStats', 'RequestStream', 'AsyncEngine']
 
+# %% ../../chapters/09_serving.ipynb #s20b-stream
 @dataclass(eq=False)
 class RequestStream:
     """The asyncio end of one request. The engine thread puts each step's
@@ -53,9 +56,6 @@ class RequestStream:
             raise item
         self.done = item.finished
         return item
-
-# %% auto #0
-__all__ = ['EngineStats', 'RequestStream', 'AsyncEngine']
 
 # %% ../../chapters/09_serving.ipynb #s21-engine
 class AsyncEngine:
@@ -97,14 +97,7 @@ class AsyncEngine:
 async def _add(self, prompt_ids: list[int], params) -> RequestStream:
     """Queue one request; returns once the engine has accepted it. A full
     queue is a 429, a request the engine refuses a 400: before any work."""
-    if not self.alive:
-        raise APIError(503, "the engine is not running", type="server_error")
-    stats = self.stats  # one snapshot: its two counts belong together
-    waiting = stats.waiting + self._posted - stats.added  # queued + in the inbox
-    if self.max_waiting is not None and waiting >= self.max_waiting:
-        raise APIError(429, f"{waiting} requests are waiting already "
-                       f"(max_waiting={self.max_waiting}); try again later",
-                       type="rate_limit_error", code="queue_full")
+    self._check_room()  # 503 when not running, 429 when the queue is full
     now = time.perf_counter()
     deadline = None if self.request_timeout is None else now + self.request_timeout
     stream = RequestStream(uuid.uuid4().hex, prompt_ids, params, deadline, now)
@@ -125,6 +118,22 @@ def _abort(self, request_id: str) -> None:
 
 
 AsyncEngine.add, AsyncEngine.abort = _add, _abort
+
+# %% ../../chapters/09_serving.ipynb #s22b-add
+def _check_room(self) -> None:
+    """A 503 when the engine thread is not running, a 429 when max_waiting
+    requests wait already (queued in the scheduler or still in the inbox)."""
+    if not self.alive:
+        raise APIError(503, "the engine is not running", type="server_error")
+    stats = self.stats  # one snapshot: its two counts belong together
+    waiting = stats.waiting + self._posted - stats.added  # queued + in the inbox
+    if self.max_waiting is not None and waiting >= self.max_waiting:
+        raise APIError(429, f"{waiting} requests are waiting already "
+                       f"(max_waiting={self.max_waiting}); try again later",
+                       type="rate_limit_error", code="queue_full")
+
+
+AsyncEngine._check_room = _check_room
 
 # %% ../../chapters/09_serving.ipynb #s23-loop
 def _run(self) -> None:
@@ -206,6 +215,7 @@ def _step(self) -> None:
         if out.finished:  # forget it: its KV memory is free already
             del self._streams[out.request_id]
             self.engine.pop(out.request_id)
+    self._publish()  # counts first: a client that sees its token sees it running
     self._call(_hand_over, handed)
 
 
@@ -244,6 +254,9 @@ def _drop(self, request_id: str, error: APIError | None, reason: str) -> None:
             self._call(_hand_over, [(stream, error)])
 
 
+AsyncEngine._expire, AsyncEngine._drop = _expire, _drop
+
+# %% ../../chapters/09_serving.ipynb #s26b-drop
 def _drop_all(self, error: APIError) -> None:
     for rid in list(self._streams):
         try:
@@ -269,6 +282,5 @@ def _call(self, fn, *args) -> None:
         pass
 
 
-AsyncEngine._expire, AsyncEngine._drop = _expire, _drop
 AsyncEngine._drop_all, AsyncEngine._publish, AsyncEngine._call = (
     _drop_all, _publish, _call)

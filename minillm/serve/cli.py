@@ -31,7 +31,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     return p
 
+# %% auto #0
+__all__ = ['parser', 'main', 'BackgroundServer']
 
+# %% ../../chapters/09_serving.ipynb #s60b-cli
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from minillm.engine.llm import LLM
@@ -43,9 +46,6 @@ def main(argv=None) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
-
-# %% auto #0
-__all__ = ['parser', 'main', 'BackgroundServer']
 
 # %% ../../chapters/09_serving.ipynb #s61-background
 class BackgroundServer:

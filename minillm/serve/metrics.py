@@ -13,7 +13,10 @@ ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
+# %% auto #0
+__all__ = ['TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'ServerMetrics']
 
+# %% ../../chapters/09_serving.ipynb #s30b-metrics
 class ServerMetrics:
     """Gauges read the engine thread's last EngineStats when /metrics is
     scraped; histograms and counters are fed as outputs arrive. Each server
@@ -46,9 +49,6 @@ class ServerMetrics:
         self._success = Counter("minillm:request_success", "Finished requests.",
                                  labelnames=["model_name", "finished_reason"],
                                  registry=self.registry)
-
-# %% auto #0
-__all__ = ['TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'ServerMetrics']
 
 # %% ../../chapters/09_serving.ipynb #s31-observe
 def _observe(self, stream, out, now: float) -> None:
