@@ -12,16 +12,10 @@ import torch
 from .llm_engine import ENGINE_OPTIONS
 from .runner import ModelRunner
 from ..model import StepMeta
+from ..perf import _check_ints
 from ..utils import synchronize
 
 _log = logging.getLogger("minillm")
-
-
-def _check_ints(*checks) -> None:
-    """Each (name, value, low): an int (not a bool) >= low, or a ValueError."""
-    for name, v, low in checks:
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{name}={v!r}: must be an int >= {low}")
 
 
 def _check_buckets(**lists) -> None:
