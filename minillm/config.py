@@ -186,7 +186,7 @@ def _parse_config(f: _Fields, generation: _Fields, cls=ModelConfig) -> ModelConf
         if not isinstance(part, dict):
             f.bad(name, part, "an object or null")
         rope.update(part)
-    theta = f.get("rope_theta", 10000.0)  # the old place, or the default
+    theta = f.number("rope_theta", 10000.0)  # the old place (checked), or the default
     rope_theta = _Fields(rope, f.source).number("rope_theta", theta)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):

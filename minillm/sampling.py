@@ -12,6 +12,9 @@ import torch
 MIN_TEMPERATURE = MIN_PENALTY = 0.01  # smaller ones overflow float32 logits (inf)
 MAX_TEMPERATURE = MAX_PENALTY = 100.0
 MAX_LOGPROBS = 20  # as the OpenAI API allows
+MAX_N = 128  # answers per request, as the OpenAI API allows
+MAX_STOP_STRINGS, MAX_STOP_STRING_LEN = 64, 256  # each is searched at every token
+MAX_STOP_TOKEN_IDS = 262_144  # every id of the largest vocabularies, once
 
 
 def _real(x) -> bool:
@@ -46,9 +49,9 @@ def _rows(x, B: int, name: str) -> list:
     return list(x)
 
 # %% auto #0
-__all__ = ['MIN_TEMPERATURE', 'MIN_PENALTY', 'MAX_TEMPERATURE', 'MAX_PENALTY', 'MAX_LOGPROBS', 'SamplingParams',
-           'check_sampling_params', 'make_generator', 'apply_repetition_penalty', 'apply_presence_frequency',
-           'NonFiniteLogitsError', 'filter_logits', 'sample']
+__all__ = ['MIN_TEMPERATURE', 'MIN_PENALTY', 'MAX_TEMPERATURE', 'MAX_PENALTY', 'MAX_LOGPROBS', 'MAX_N', 'MAX_STOP_STRINGS',
+           'MAX_STOP_STRING_LEN', 'MAX_STOP_TOKEN_IDS', 'SamplingParams', 'check_sampling_params', 'make_generator',
+           'apply_repetition_penalty', 'apply_presence_frequency', 'NonFiniteLogitsError', 'filter_logits', 'sample']
 
 # %% ../chapters/02_naive_loop.ipynb #c035p
 @dataclass(frozen=True)
@@ -95,15 +98,17 @@ def check_sampling_params(self: SamplingParams) -> None:
     """Each field's check, with a message that names the value and what is allowed;
     numbers become plain Python ints and floats, lists become tuples."""
     def bad(name, allowed):
-        value = getattr(self, name)
-        raise ValueError(f"{name}={value!r} is not allowed; "
+        value = repr(getattr(self, name))  # a long list: its start
+        value = value if len(value) <= 80 else value[:77] + "..."
+        raise ValueError(f"{name}={value} is not allowed; "
                          f"{name} must be {allowed}")
     def put(name, value):  # a frozen dataclass sets its fields through object
         object.__setattr__(self, name, value)
 
-    for name in ("n", "max_tokens"):
-        if not _int(getattr(self, name)) or getattr(self, name) < 1:
-            bad(name, "an int >= 1")
+    if not _int(self.n) or not 1 <= self.n <= MAX_N:  # bounded work per request
+        bad("n", f"an int in [1, {MAX_N}]")
+    if not _int(self.max_tokens) or self.max_tokens < 1:
+        bad("max_tokens", "an int >= 1")
     for name in ("presence_penalty", "frequency_penalty"):
         if not _real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
             bad(name, "a number in [-2, 2] (0 = off)")
@@ -123,9 +128,15 @@ def check_sampling_params(self: SamplingParams) -> None:
     if self.seed is not None and not (_int(self.seed) and 0 <= self.seed < 2**64):
         bad("seed", "None or an int in [0, 2**64)")
     stop = _as_tuple(self.stop, "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        bad("stop", f"at most {MAX_STOP_STRINGS} strings (got {len(stop)})")
     if not all(isinstance(s, str) and s for s in stop):
         bad("stop", "a list of non-empty strings")
+    if any(len(s) > MAX_STOP_STRING_LEN for s in stop):
+        bad("stop", f"strings of at most {MAX_STOP_STRING_LEN} characters")
     ids = _as_tuple(self.stop_token_ids, "stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids (got {len(ids)})")
     if not all(_int(t) and t >= 0 for t in ids):
         bad("stop_token_ids", "a list of token ids (ints >= 0)")
     m = self.min_tokens

@@ -164,10 +164,38 @@ def _chat(self, messages, sampling_params: SamplingParams | list | None = None,
     if not isinstance(conversations, (list, tuple)) or not conversations:
         raise ValueError(f"messages={messages!r:.60}: give a conversation (a list "
                          "of {'role': ..., 'content': ...}) or a list of them")
-    prompts = [tok.apply_chat_template(c, chat_template=chat_template,
-                                       add_generation_prompt=add_generation_prompt)
-               for c in conversations]  # every one is checked before any runs
-    return self.generate(prompts, sampling_params, use_tqdm)
+    conversations = [_text_content(c) for c in conversations]
+    how = dict(chat_template=chat_template,
+               add_generation_prompt=add_generation_prompt)
+    prompts = [tok.apply_chat_template(c, **how)  # every one is checked before
+               for c in conversations]            # any runs
+    outputs = self.generate(prompts, sampling_params, use_tqdm)
+    for out, c in zip(outputs, conversations):  # vLLM's outputs show the prompt
+        out.prompt = tok.apply_chat_template(c, tokenize=False, **how)
+    return outputs
+
+
+def _text_content(conversation):
+    """A message's content given as parts, as the OpenAI API sends it ([{"type":
+    "text", "text": ...}, ...]), becomes their text joined; other parts (images,
+    audio) are refused. What is not a list of messages goes on as it is: the chat
+    template's checks name what is wrong."""
+    if not isinstance(conversation, (list, tuple)):
+        return conversation
+    out = []
+    for i, m in enumerate(conversation):
+        parts = m.get("content") if isinstance(m, dict) else None
+        if isinstance(parts, (list, tuple)):
+            for j, p in enumerate(parts):
+                if not (isinstance(p, dict) and p.get("type") == "text"
+                        and isinstance(p.get("text"), str)):
+                    raise ValueError(
+                        f"messages[{i}]['content'][{j}]={p!r:.80} is not allowed; "
+                        "a content part must be {'type': 'text', 'text': <a "
+                        "string>} (only text is supported)")
+            m = {**m, "content": "".join(p["text"] for p in parts)}
+        out.append(m)
+    return out
 
 
 def _stream(self, prompt, params: SamplingParams | None = None) -> "TextStream":
@@ -193,14 +221,21 @@ class TextStream:
 
     def __init__(self, engine: LLMEngine, request_id: str):
         self.engine, self.request_id, self.sent = engine, request_id, 0
+        self.seq = engine.requests[request_id]  # kept: another caller may pop it
         self.closed = False
+
+    @property
+    def finish_reason(self) -> str | None:
+        """None while it runs; then "stop", "length", "abort" (also when another
+        caller aborted it) or "error"."""
+        return self.seq.finish_reason
 
     def __iter__(self) -> "TextStream":
         return self
 
     def __next__(self) -> str:
+        seq = self.seq
         while not self.closed:
-            seq = self.engine.requests[self.request_id]
             if len(seq.text) > self.sent:  # text that any step produced for us
                 delta, self.sent = seq.text[self.sent:], len(seq.text)
                 return delta
@@ -220,8 +255,8 @@ class TextStream:
         """Abort the request (if it still runs) and forget it. Safe to call twice."""
         if not self.closed:
             self.closed = True
-            if self.request_id in self.engine.requests:
-                self.engine.abort(self.request_id)
+            if self.engine.requests.get(self.request_id) is self.seq:  # not
+                self.engine.abort(self.request_id)  # popped by another caller
                 self.engine.pop(self.request_id)
 
     def __del__(self):

@@ -181,13 +181,14 @@ def _step(self) -> list[RequestOutput]:
     outputs: dict[str, RequestOutput] = {}
     useful = 0
     for seq, token in zip(batch.seqs, new_ids):  # every request gets its result
-        if token is None:
-            continue  # a padding row, or a prompt with chunks still to compute
+        if token is None or seq.is_finished:  # a padding row, a prompt with
+            continue  # chunks still to compute, an answer a sibling's error ended
         useful += 1
         text, new, logprobs = self._take(seq, token, now)  # stop rules, errors
         self._delta(outputs, seq, text, new, logprobs)
         if seq.is_finished:
             self._finished(seq)
+            self._end_siblings(seq, outputs, now)  # after an error: all of it
     for rid, out in outputs.items():
         out.finished = all(s.is_finished for s in self.groups[rid])
     self._record(batch, start, now, useful, padding)
@@ -249,7 +250,27 @@ def _record(self, batch, start: float, end: float, useful: int,
         kv_reserved=reserved, kv_capacity=capacity))
 
 
+def _end_siblings(self, seq: Sequence, outputs: dict, now: float) -> None:
+    """An answer that failed ends its whole request: its siblings still running
+    (n > 1) are aborted now and their memory freed, instead of running on."""
+    if seq.finish_reason != "error":
+        return
+    out = outputs[self.group_of[seq.request_id]]  # holds the failed answer
+    for sibling in self.groups[out.request_id]:
+        if sibling.is_finished:
+            continue
+        text = sibling.finish("abort", now)
+        self._finished(sibling)
+        moved = [c for c in out.outputs if c.index == sibling.index]
+        if moved:  # it got a token in this step already: that delta ends it
+            moved[0].text += text
+            moved[0].finish_reason = sibling.finish_reason
+        else:
+            self._delta(outputs, sibling, text, [], None)
+
+
 LLMEngine._take, LLMEngine._delta = _take, _delta
+LLMEngine._end_siblings = _end_siblings
 LLMEngine._decode_logprobs = _decode_logprobs
 LLMEngine._record = _record
 LLMEngine.MAX_HISTORY = 100_000  # steps kept in history (the oldest half goes)
