@@ -22,11 +22,13 @@ from .protocol import (APIError, ChatCompletionRequest,
                                     CompletionRequest, bad_request)
 
 router = APIRouter()
+MAX_BODY_BYTES = 4 * 2**20  # a request body's default bound (build_app, 413)
 
 # %% auto #0
-__all__ = ['router', 'Server', 'server', 'build_app', 'api_error', 'validation_error', 'http_error', 'health', 'metrics',
-           'list_models', 'submit', 'one_prompt', 'rest_of_context', 'Usage', 'samples', 'until_disconnect',
-           'unless_gone', 'token_text', 'completion_logprobs', 'chat_logprobs', 'Sample', 'create_completion', 'gather',
+__all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'Server', 'server', 'build_app', 'api_error', 'validation_error',
+           'http_error', 'BodyLimit', 'prompt_char_limit', 'health', 'metrics', 'list_models', 'submit', 'one_prompt',
+           'check_text', 'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone', 'finite',
+           'token_text', 'completion_logprobs', 'chat_logprobs', 'Sample', 'create_completion', 'gather',
            'create_chat_completion', 'sse', 'event_stream']
 
 # %% ../../chapters/09_serving.ipynb #s40b-app
@@ -38,6 +40,7 @@ class Server:
     model_name: str
     tokenizer: object
     max_model_len: int
+    max_prompt_chars: int         # a longer text cannot fit: 400 before tokenizing
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -52,11 +55,12 @@ def server(request: Request) -> Server:
 # %% ../../chapters/09_serving.ipynb #s41-build
 def build_app(engine, model_name: str = "minillm",
               request_timeout: float | None = None,
-              max_waiting: int | None = None) -> FastAPI:
+              max_waiting: int | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """A FastAPI app serving `engine` (an LLMEngine, or an LLM: its .engine).
     The engine thread starts with the app and stops with it."""
     engine = getattr(engine, "engine", engine)
-    _check_build_args(engine, request_timeout, max_waiting)
+    _check_build_args(engine, request_timeout, max_waiting, max_body_bytes)
     async_engine = AsyncEngine(engine, request_timeout, max_waiting)
     metrics = ServerMetrics(model_name, lambda: async_engine.stats)
     async_engine.metrics = metrics
@@ -68,9 +72,10 @@ def build_app(engine, model_name: str = "minillm",
         await async_engine.stop()  # aborts what is left: the KV memory is free
 
     app = FastAPI(title="minillm", lifespan=lifespan)
-    app.state.server = Server(async_engine, metrics, model_name,
-                              engine.tokenizer, engine.max_model_len)
+    app.state.server = Server(async_engine, metrics, model_name, engine.tokenizer,
+                              engine.max_model_len, prompt_char_limit(engine))
     app.include_router(router)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # 413 before reading
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
@@ -95,21 +100,74 @@ async def http_error(request: Request, e: HTTPException) -> JSONResponse:
     return await api_error(request, APIError(e.status_code, str(e.detail)))
 
 
-def _check_build_args(engine, request_timeout, max_waiting) -> None:
+def _check_build_args(engine, request_timeout, max_waiting,
+                      max_body_bytes) -> None:
     for name, value in [("request_timeout", request_timeout),
-                        ("max_waiting", max_waiting)]:
+                        ("max_waiting", max_waiting),
+                        ("max_body_bytes", max_body_bytes)]:
         if value is not None and not (isinstance(value, (int, float))
                                       and not isinstance(value, bool)
                                       and value > 0):
-            raise ValueError(f"{name}={value!r}: give a number > 0 or None")
+            raise ValueError(f"{name}={value!r}: give a number > 0"
+                             + ("" if name == "max_body_bytes" else " or None"))
     if engine.tokenizer is None:
         raise ValueError("the engine has no tokenizer: the API speaks text")
+
+# %% ../../chapters/09_serving.ipynb #s42b-bounds
+class BodyLimit:
+    """ASGI middleware: a body over max_bytes is a 413, before any route reads
+    it (by its Content-Length, or counted as it arrives when there is none)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.max_bytes:
+            return await self.too_large(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:  # the whole body, counted
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self.too_large(scope, receive, send)
+            more = message.get("more_body", False)
+        body = [{"type": "http.request", "body": b"".join(chunks)}]
+
+        async def replay():  # the body once, then what the client does next
+            return body.pop() if body else await receive()
+        await self.app(scope, replay, send)
+
+    async def too_large(self, scope, receive, send) -> None:
+        error = APIError(413, "the request body has more than max_body_bytes="
+                         f"{self.max_bytes} bytes", code="request_too_large")
+        await JSONResponse(error.body(), 413)(scope, receive, send)
+
+
+def prompt_char_limit(engine) -> int:
+    """The most characters a text prompt may have before it is tokenized:
+    max_model_len tokens of the tokenizer's longest token (in bytes, so at least
+    its characters), times 4 for normalizers that merge characters. Longer
+    cannot fit; shorter is checked after tokenizing, as before."""
+    tok = engine.tokenizer
+    try:
+        longest = max(len(tok.token_bytes(i)) for i in range(len(tok)))
+    except Exception:  # a tokenizer that cannot tell: a generous guess
+        longest = 64
+    return 4 * max(longest, 1) * engine.max_model_len
 
 # %% ../../chapters/09_serving.ipynb #s43-routes
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 while the engine thread runs, 503 once it has stopped."""
-    ok = server(request).engine.alive
+    """200 while the engine thread runs, 503 once it has stopped or is stuck
+    (one step, or one command, that has lasted longer than stall_after)."""
+    engine = server(request).engine
+    ok = engine.alive and not engine.stalled
     return Response(status_code=200 if ok else 503)
 
 
@@ -136,8 +194,10 @@ async def submit(s: Server, prompt_ids: list[int], params,
         raise bad_request(e, names) from None
 
 # %% ../../chapters/09_serving.ipynb #s44b-submit
-def one_prompt(s: Server, prompt) -> list[int]:
-    """The prompt's token ids: text, token ids, or a list holding one of them."""
+async def one_prompt(s: Server, prompt) -> list[int]:
+    """The prompt's token ids: text, token ids, or a list holding one of them.
+    Text is checked by its length first (cheap), then tokenized in a worker
+    thread: a long text would stall the event loop, and every client with it."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, f"{len(prompt)} prompts in one request; this "
@@ -145,7 +205,29 @@ def one_prompt(s: Server, prompt) -> list[int]:
         prompt = prompt[0]
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt")
-    return s.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    if isinstance(prompt, list):
+        if len(prompt) >= s.max_model_len:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; max_model_len="
+                           f"{s.max_model_len} leaves no room for an answer",
+                           param="prompt")
+        return prompt
+    check_text(s, prompt, "prompt")
+    return await asyncio.to_thread(s.tokenizer.encode, prompt)
+
+
+def check_text(s: Server, text: str, param: str) -> None:
+    """A 400 for text that cannot fit in the context or is not Unicode (a lone
+    surrogate, which JSON's \\uXXXX escapes can carry), before tokenizing."""
+    if len(text) > s.max_prompt_chars:
+        raise APIError(400, f"{param}: {len(text)} characters cannot fit in "
+                       f"max_model_len={s.max_model_len} tokens (at most "
+                       f"{s.max_prompt_chars} characters)", param=param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param}: {text[e.start]!r} at character {e.start} "
+                       "is a lone surrogate, not text; send valid Unicode",
+                       param=param) from None
 
 
 def rest_of_context(s: Server, prompt_ids: list[int]) -> int:
@@ -195,14 +277,22 @@ async def unless_gone(request: Request, s: Server, stream: RequestStream,
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not task.done():
+        left = not task.done()  # the client left first
+        if left:
             task.cancel()
             s.engine.abort(stream.request_id)
-    if task.cancelled():
-        return Response(status_code=499)  # nobody reads it
+    if left:  # an answer nobody reads, and no traceback in the log
+        raise APIError(499, "the client closed the connection", code="client_gone")
     return task.result()
 
 # %% ../../chapters/09_serving.ipynb #s46-logprobs
+LOGPROB_FLOOR = -9999.0  # vLLM's: a token that cannot be picked has -inf, not JSON
+
+
+def finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN too
+
+
 def token_text(s: Server, token_id: int, lp) -> str:
     return lp.decoded_token if lp.decoded_token is not None else s.tokenizer.decode(
         [token_id])
@@ -217,8 +307,8 @@ def completion_logprobs(s: Server, c, offset: int) -> dict | None:
     for token_id, top in zip(c.token_ids, c.logprobs):
         text = token_text(s, token_id, top[token_id])
         out["tokens"].append(text)
-        out["token_logprobs"].append(top[token_id].logprob)
-        out["top_logprobs"].append({token_text(s, t, lp): lp.logprob
+        out["token_logprobs"].append(finite(top[token_id].logprob))
+        out["top_logprobs"].append({token_text(s, t, lp): finite(lp.logprob)
                                     for t, lp in top.items()})
         out["text_offset"].append(offset)
         offset += len(text)
@@ -231,7 +321,7 @@ def chat_logprobs(s: Server, c, k: int) -> dict | None:
         return None
     def entry(token_id, lp):
         text = token_text(s, token_id, lp)
-        return {"token": text, "logprob": lp.logprob,
+        return {"token": text, "logprob": finite(lp.logprob),
                 "bytes": list(text.encode("utf-8"))}
     content = []
     for token_id, top in zip(c.token_ids, c.logprobs):
@@ -256,7 +346,7 @@ class Sample:
 async def create_completion(body: CompletionRequest, request: Request):
     s = server(request)
     s.check_model(body.model)
-    prompt_ids = one_prompt(s, body.prompt)
+    prompt_ids = await one_prompt(s, body.prompt)  # tokenized off the loop
     params = body.sampling_params(body.max_tokens, body.logprobs, {})
     stream = await submit(s, prompt_ids, params, {})
     usage, head = Usage(len(prompt_ids)), {
@@ -294,7 +384,7 @@ async def gather(stream: RequestStream, usage: Usage, n: int) -> list[Sample]:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     s = server(request)
     s.check_model(body.model)
-    prompt_ids = _chat_prompt(s, body.messages)  # the chat template's token ids
+    prompt_ids = await _chat_prompt(s, body.messages)  # the template's ids
     max_tokens, names = _chat_limits(s, body, prompt_ids)
     k = body.top_logprobs or 0
     params = body.sampling_params(max_tokens,
@@ -322,12 +412,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     return {**head, "choices": choices, "usage": usage.as_dict()}
 
 # %% ../../chapters/09_serving.ipynb #s49b-chat
-def _chat_prompt(s: Server, messages) -> list[int]:
-    """The messages through the chat template, as token ids (as LLM.chat)."""
+async def _chat_prompt(s: Server, messages) -> list[int]:
+    """The messages through the chat template, as token ids (as LLM.chat); their
+    text checked first, the template applied in a worker thread."""
     messages = [{"role": m.role, "content": m.text()} for m in messages]
+    check_text(s, "".join(m["content"] for m in messages), "messages")
     try:
-        return s.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True)
+        return await asyncio.to_thread(s.tokenizer.apply_chat_template,
+                                       messages, add_generation_prompt=True)
     except ValueError as e:  # no template, or the template refused them
         raise APIError(400, str(e), param="messages") from None
 

@@ -21,7 +21,7 @@ class EngineStats:
     waiting: int = 0
     kv_reserved: int = 0          # KV positions held by requests
     kv_capacity: int = 1          # KV positions in all
-    added: int = 0                # add commands the thread has taken so far
+    added: int = 0                # answers (n per request) the thread has taken
 
     @property
     def kv_usage(self) -> float:
@@ -70,11 +70,13 @@ class AsyncEngine:
         self.stats = EngineStats()    # replaced (never changed) by the thread
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # the engine thread's
-        self._posted = 0              # add commands posted (the loop's count)
-        self._added = 0               # add commands taken (the thread's count)
+        self._posted = 0              # answers posted (the loop's count)
+        self._added = 0               # answers taken (the thread's count)
         self._thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None  # what stopped the thread
+        self.beat: float | None = None  # when the thread woke (None: asleep)
+        self.stall_after = 60.0       # /health: 503 when one pass takes longer
 
     def start(self) -> None:
         """Start the engine thread; call it from the event loop's thread."""
@@ -97,12 +99,12 @@ class AsyncEngine:
 async def _add(self, prompt_ids: list[int], params) -> RequestStream:
     """Queue one request; returns once the engine has accepted it. A full
     queue is a 429, a request the engine refuses a 400: before any work."""
-    self._check_room()  # 503 when not running, 429 when the queue is full
+    self._check_room(params.n)  # 503: not running; 429: the queue is full
     now = time.perf_counter()
     deadline = None if self.request_timeout is None else now + self.request_timeout
     stream = RequestStream(uuid.uuid4().hex, prompt_ids, params, deadline, now)
     accepted = self.loop.create_future()
-    self._posted += 1
+    self._posted += params.n  # a request of n answers: n wait
     self._inbox.put(("add", stream, accepted))
     try:
         await accepted            # the engine thread ran add_request
@@ -120,17 +122,24 @@ def _abort(self, request_id: str) -> None:
 AsyncEngine.add, AsyncEngine.abort = _add, _abort
 
 # %% ../../chapters/09_serving.ipynb #s22b-add
-def _check_room(self) -> None:
-    """A 503 when the engine thread is not running, a 429 when max_waiting
-    requests wait already (queued in the scheduler or still in the inbox)."""
+def _check_room(self, n: int) -> None:
+    """A 503 when the engine thread is not running. With max_waiting, a request
+    of n answers counts as n: a 400 when they could never wait together, a 429
+    when they do not fit beside the answers that wait already (queued in the
+    scheduler, which holds answers, or still in the inbox)."""
     if not self.alive:
         raise APIError(503, "the engine is not running", type="server_error")
+    if self.max_waiting is None:
+        return
+    if n > self.max_waiting:
+        raise APIError(400, f"n={n} answers can never wait together in a queue of "
+                       f"max_waiting={self.max_waiting}; ask for fewer", param="n")
     stats = self.stats  # one snapshot: its two counts belong together
     waiting = stats.waiting + self._posted - stats.added  # queued + in the inbox
-    if self.max_waiting is not None and waiting >= self.max_waiting:
-        raise APIError(429, f"{waiting} requests are waiting already "
-                       f"(max_waiting={self.max_waiting}); try again later",
-                       type="rate_limit_error", code="queue_full")
+    if waiting + n > self.max_waiting:
+        raise APIError(429, f"{waiting} answers are waiting already and this "
+                       f"request adds {n} (max_waiting={self.max_waiting}); "
+                       "try again later", type="rate_limit_error", code="queue_full")
 
 
 AsyncEngine._check_room = _check_room
@@ -142,10 +151,13 @@ def _run(self) -> None:
     try:
         while True:
             busy = self.engine.has_unfinished()
+            if not busy:
+                self.beat = None  # asleep on the inbox: never stalled
             try:  # idle: wait for a command; busy: take what is there
                 command = self._inbox.get(block=not busy)
             except queue.Empty:
                 command = None
+            self.beat = time.perf_counter()  # /health times this pass
             while command is not None:
                 if command[0] == "stop":
                     return self._drop_all(APIError(
@@ -167,7 +179,7 @@ AsyncEngine._run = _run
 
 # %% ../../chapters/09_serving.ipynb #s24-commands
 def _on_add(self, stream: RequestStream, accepted: asyncio.Future) -> None:
-    self._added += 1
+    self._added += stream.params.n
     try:
         self.engine.add_request(stream.prompt_ids, stream.params,
                                 request_id=stream.request_id,
@@ -282,5 +294,13 @@ def _call(self, fn, *args) -> None:
         pass
 
 
+def _stalled(self) -> bool:
+    """The thread has been awake on one pass of its loop (a step, a command)
+    for longer than stall_after seconds: stuck, and /health says so."""
+    beat = self.beat
+    return beat is not None and time.perf_counter() - beat > self.stall_after
+
+
 AsyncEngine._drop_all, AsyncEngine._publish, AsyncEngine._call = (
     _drop_all, _publish, _call)
+AsyncEngine.stalled = property(_stalled)

@@ -26,7 +26,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="abort a request this long after it arrived")
     p.add_argument("--max-waiting", type=int, default=None, metavar="N",
-                   help="answer 429 while N requests wait already")
+                   help="answer 429 while N answers wait already (n per request)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, metavar="BYTES",
+                   help="answer 413 to a request body larger than this")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
     p.add_argument("--log-level", default="info")
     return p
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, dtype=args.dtype)
     app = build_app(llm, args.served_model_name or args.model,
-                    args.request_timeout, args.max_waiting)
+                    args.request_timeout, args.max_waiting, args.max_body_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

@@ -34,8 +34,8 @@ def bad_request(error: ValueError, names: dict | None = None) -> APIError:
     return APIError(400, str(error), param=(names or {}).get(field, field))
 
 # %% auto #0
-__all__ = ['SAMPLING_FIELDS', 'APIError', 'bad_request', 'StreamOptions', 'CommonRequest', 'CompletionRequest', 'ChatMessage',
-           'ChatCompletionRequest']
+__all__ = ['SAMPLING_FIELDS', 'MAX_API_TEMPERATURE', 'OFF', 'APIError', 'bad_request', 'StreamOptions', 'CommonRequest',
+           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'check_request']
 
 # %% ../../chapters/09_serving.ipynb #s11-requests
 class StreamOptions(BaseModel):
@@ -72,6 +72,11 @@ class CommonRequest(BaseModel):
     stop_token_ids: list[int] = []
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict | None = None    # OpenAI's, not supported: check_request
+    best_of: int | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -84,6 +89,7 @@ class CommonRequest(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         names: dict) -> SamplingParams:
         """The engine's SamplingParams; a bad value is a 400 naming the field."""
+        check_request(self)  # the server's own bounds first
         values = {f: getattr(self, f) for f in SAMPLING_FIELDS}
         try:
             return SamplingParams(**values, max_tokens=max_tokens,
@@ -124,3 +130,31 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+# %% ../../chapters/09_serving.ipynb #s12b-requests
+MAX_API_TEMPERATURE = 2.0  # OpenAI's bound (SamplingParams allows more offline)
+OFF = {  # OpenAI's fields this server does not support -> values that change nothing
+    "logit_bias": ({},), "best_of": (1,), "response_format": ({"type": "text"},),
+    "tools": ([],), "tool_choice": ("none", "auto")}
+
+
+def check_request(body) -> None:
+    """The server's own checks, before SamplingParams'. A field this server does
+    not support (unless its value changes nothing: best_of=n, tools=[], ...),
+    top_logprobs without logprobs, a temperature outside OpenAI's [0, 2]: each
+    is a 400 naming the field, never silently ignored."""
+    for field, harmless in OFF.items():
+        value = getattr(body, field, None)
+        if value is not None and value not in harmless and not (
+                field == "best_of" and value == body.n):
+            raise APIError(400, f"{field}={value!r:.80} is not supported by this "
+                           f"server; leave it out or send {harmless[0]!r}",
+                           param=field)
+    if getattr(body, "top_logprobs", None) is not None and not body.logprobs:
+        raise APIError(400, f"top_logprobs={body.top_logprobs} needs "
+                       "logprobs=true", param="top_logprobs")
+    t = body.temperature
+    if not 0 <= t <= MAX_API_TEMPERATURE:
+        raise APIError(400, f"temperature={t!r} is not allowed; give a number in "
+                       f"[0, {MAX_API_TEMPERATURE:g}] (0 is greedy)",
+                       param="temperature")
