@@ -310,8 +310,8 @@ def test_huge_kv_pools_are_refused_before_anything_is_allocated(bundled):
     model, tok = bundled
     cases = [(dict(kv_cache="paged", num_blocks=10**12), r"num_blocks=10{12}"),
              (dict(kv_cache="paged", kv_cache_bytes=10**15), r"kv_cache_bytes=10{15}"),
-             (dict(kv_cache="slots", max_num_seqs=10**9), r"max_num_seqs=10{9} slots"),
-             (dict(kv_cache="paged", max_num_seqs=10**9), r"max_num_seqs=10{9} x")]
+             (dict(kv_cache="slots", max_num_seqs=10**9), r"max_num_seqs=10{9} slots")]
+    # (the paged default pool stops at a ceiling: tests/test_kv_memory.py)
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match) as e:  # 10{12}: 1 and 12 zeros
             LLMEngine(model, tok, **kwargs)

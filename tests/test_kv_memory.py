@@ -70,3 +70,55 @@ def test_the_engine_warms_up_with_its_step_budget_and_sizes_the_pool(model,
     llm = LLM(model, max_num_seqs=4, gpu_memory_utilization=0.5)  # vLLM's keyword
     assert asked[-1][1:] == (0.5, llm.engine.scheduler.max_num_batched_tokens,
                              model.config.context_length)
+
+
+# --- the default pool: the worst case, up to a ceiling (issue: 12 GB for a 135M model) ---
+
+def per_block(model, block_size=16):
+    return PagedKVCache.block_bytes(model.config, block_size, torch.float32)
+
+
+def test_a_small_worst_case_is_the_pool_as_before(model):
+    engine = LLMEngine(model, max_num_seqs=4, max_model_len=64)  # 4 x 64 positions
+    assert engine.kv.num_blocks == 4 * 64 // 16
+
+
+def test_the_default_pool_stops_at_half_the_free_memory(model, monkeypatch):
+    # 8 x 64 positions would be 32 blocks; the device has 20 blocks' bytes free
+    monkeypatch.setattr(paged, "free_memory_bytes", lambda device: 20 * per_block(model),
+                        raising=False)
+    engine = LLMEngine(model, max_num_seqs=8, max_model_len=64)
+    assert engine.kv.num_blocks == 10
+    # less than one request of max_model_len: that one request still fits
+    monkeypatch.setattr(paged, "free_memory_bytes", lambda device: 2 * per_block(model),
+                        raising=False)
+    assert LLMEngine(model, max_num_seqs=8, max_model_len=64).kv.num_blocks == 4
+
+
+def test_the_default_pool_stops_at_default_kv_space(model, monkeypatch):
+    monkeypatch.setattr(paged, "DEFAULT_KV_SPACE", 12 * per_block(model), raising=False)
+    engine = LLMEngine(model, max_num_seqs=8, max_model_len=64)
+    assert engine.kv.num_blocks == 12
+
+
+def test_a_capped_pool_gives_every_request_its_solo_answer(model, monkeypatch):
+    """A pool below the worst case preempts under load; the answers do not change."""
+    from minillm.generate import generate
+    from minillm.sampling import SamplingParams
+    monkeypatch.setattr(paged, "DEFAULT_KV_SPACE", 6 * per_block(model), raising=False)
+    engine = LLMEngine(model, max_num_seqs=8, max_model_len=64)
+    assert engine.kv.num_blocks == 6  # 8 requests of up to 40 tokens: 3 blocks each
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [[1 + i, 5, 9, 2, 7, 3, 8, 4, 6, 11] for i in range(8)]
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.has_unfinished():
+        engine.step()
+    got = [engine.pop(str(i)).output_ids for i in range(8)]
+    assert got == [generate(model, p, params) for p in prompts]
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_a_huge_max_num_seqs_no_longer_reserves_its_worst_case(model):
+    engine = LLMEngine(model, max_num_seqs=10**6, max_model_len=64)
+    assert engine.kv.nbytes <= paged.DEFAULT_KV_SPACE

@@ -10,7 +10,8 @@ import torch
 from ..engine.paged_scheduler import PagedScheduler
 from .base import PackedSteps, register_kv_backend
 from .blocks import BlockManager, check_block_size
-from .contiguous import KVCache, KVMemoryError, check_kv_fits
+from .contiguous import (KVCache, KVMemoryError, check_kv_fits,
+                                   free_memory_bytes)
 from ..model import StepMeta
 from ..sequence import Sequence
 
@@ -20,8 +21,8 @@ def token_ids(seq: Sequence) -> list[int]:
     return seq.prompt_ids + seq.output_ids
 
 # %% auto #0
-__all__ = ['token_ids', 'PagedKVCache', 'weights_version', 'check_utilization', 'kv_bytes_from_memory', 'profile_kv_bytes',
-           'paged_cache']
+__all__ = ['DEFAULT_KV_SPACE', 'token_ids', 'PagedKVCache', 'weights_version', 'check_utilization', 'kv_bytes_from_memory',
+           'profile_kv_bytes', 'default_pool_blocks', 'paged_cache']
 
 # %% ../../chapters/06_paged_attention.ipynb #c30-paged
 class PagedKVCache(PackedSteps, KVCache):
@@ -312,6 +313,23 @@ def profile_kv_bytes(model, utilization: float, num_tokens: int,
                                 stats["allocated_bytes.all.peak"],
                                 stats["allocated_bytes.all.current"])
 
+# %% ../../chapters/06_paged_attention.ipynb #c36b-default
+DEFAULT_KV_SPACE = 2 * 2**30  # bytes: the default pool's ceiling (a laptop's share)
+
+
+def default_pool_blocks(model, max_num_seqs: int, max_model_len: int,
+                        block_size: int) -> int:
+    """The pool when nothing sizes it: max_num_seqs x max_model_len positions, but at
+    most DEFAULT_KV_SPACE and half the memory the device has free; never less than
+    one request of max_model_len (if even that does not fit, from_model says so)."""
+    c, w = model.config, model.embed_tokens.weight
+    per_block = PagedKVCache.block_bytes(c, check_block_size(block_size), w.dtype)
+    one = -(-max_model_len // block_size)  # blocks of one request of max_model_len
+    worst = -(-max_num_seqs * max_model_len // block_size)
+    free = free_memory_bytes(w.device)
+    ceiling = DEFAULT_KV_SPACE if free is None else min(DEFAULT_KV_SPACE, free // 2)
+    return max(one, min(worst, ceiling // per_block))
+
 # %% ../../chapters/06_paged_attention.ipynb #c37-parts
 def paged_cache(model, max_num_seqs: int, max_model_len: int,
                 policy: str = "continuous", max_num_batched_tokens: int = 2048,
@@ -321,19 +339,20 @@ def paged_cache(model, max_num_seqs: int, max_model_len: int,
     """The KV pool of LLMEngine(kv_cache="paged"). The pool is num_blocks blocks,
     or as many as fit in kv_cache_bytes, or (on a GPU) in what gpu_memory_utilization
     leaves after a warm-up step of max_num_batched_tokens tokens; none of them: as
-    many positions as chapter 4's slots would reserve (max_num_seqs x max_model_len)."""
+    many positions as chapter 4's slots would reserve, up to a ceiling."""
     _check_paged_args(policy, gpu_memory_utilization, num_blocks, kv_cache_bytes)
     if gpu_memory_utilization is not None:
         kv_cache_bytes = profile_kv_bytes(model, gpu_memory_utilization,
                                           max_num_batched_tokens, max_model_len)
     if num_blocks is None and kv_cache_bytes is None:
-        num_blocks = -(-max_num_seqs * max_model_len // check_block_size(block_size))
+        num_blocks = default_pool_blocks(model, max_num_seqs, max_model_len,
+                                         block_size)
         try:
             kv = PagedKVCache.from_model(model, num_blocks, None, block_size,
                                          enable_prefix_caching)
         except KVMemoryError as e:
-            raise KVMemoryError(f"max_num_seqs={max_num_seqs} x max_model_len="
-                                f"{max_model_len} positions: {e}") from None
+            raise KVMemoryError(f"{e}; or lower max_model_len={max_model_len} (one "
+                                "request of it must fit)") from None
     else:
         kv = PagedKVCache.from_model(model, num_blocks, kv_cache_bytes, block_size,
                                      enable_prefix_caching)
