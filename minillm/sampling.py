@@ -202,25 +202,10 @@ def apply_presence_frequency(logits: torch.Tensor, presence: float, frequency: f
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 # %% ../chapters/02_naive_loop.ipynb #c038b
-def _filter(logits: torch.Tensor, params: list[SamplingParams],
-            prev_ids: list, output_ids: list | None = None) -> torch.Tensor:
-    """filter_logits without the checks: logits [B, V] float32, one params per row."""
-    logits = _penalize(logits, params, prev_ids, output_ids)
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
-        logits = _top_k_top_p(logits, params)
-    if any(p.min_p > 0 for p in params if not p.greedy):
-        min_p = [0.0 if p.greedy else p.min_p for p in params]
-        min_p = torch.tensor(min_p, device=logits.device)[:, None]
-        probs = logits.softmax(-1)
-        too_rare = probs < min_p * probs.amax(-1, keepdim=True)
-        logits = logits.masked_fill(too_rare, float("-inf"))
-    return logits
-
-
-def _penalize(logits: torch.Tensor, params: list[SamplingParams], prev_ids: list,
-              output_ids: list | None = None) -> torch.Tensor:
-    """The penalties, then the temperature: the distribution before any token is
-    dropped (what `logprobs` report). Greedy rows keep temperature 1."""
+def _scale(logits: torch.Tensor, params: list[SamplingParams], prev_ids: list,
+           output_ids: list | None = None) -> torch.Tensor:
+    """Step 1, scale: the penalties, then the temperature. The distribution before
+    any token is dropped (what `logprobs` report). Greedy rows keep temperature 1."""
     if any(p.repetition_penalty != 1.0 for p in params):
         logits = torch.stack([apply_repetition_penalty(logits[i], p.repetition_penalty,
                                                        prev_ids[i])
@@ -235,6 +220,20 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams], prev_ids: list
     # temperature: sharpen (< 1) or flatten (> 1) the distribution
     temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
     return logits / torch.tensor(temperature, device=logits.device)[:, None]
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """After `_scale`: top-k, top-p and min-p drop tokens from the scaled logits
+    [B, V] float32 (one params per row). Greedy rows keep every token."""
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
+        logits = _top_k_top_p(logits, params)
+    if any(p.min_p > 0 for p in params if not p.greedy):
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
+        min_p = torch.tensor(min_p, device=logits.device)[:, None]
+        probs = logits.softmax(-1)
+        too_rare = probs < min_p * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(too_rare, float("-inf"))
+    return logits
 
 # %% ../chapters/02_naive_loop.ipynb #c038b-2
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -343,9 +342,34 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams | list[SamplingPa
     """
     logits2d, rows, prev_rows, out_rows, id_checks = _check_inputs(
         logits, params, prev_ids, output_ids=output_ids)
-    filtered = _filter(logits2d.float(), rows, prev_rows, out_rows)
+    scaled = _scale(logits2d.float(), rows, prev_rows, out_rows)
+    filtered = _filter(scaled, rows)
     _raise_if_bad(torch.isfinite(filtered.amax(-1)), id_checks, logits2d)
     return filtered[0] if logits.dim() == 1 else filtered
+
+# %% ../chapters/02_naive_loop.ipynb #c039b-pick
+def _pick(scaled: torch.Tensor, params: list[SamplingParams], generators=None,
+          checks: tuple | None = None) -> torch.Tensor:
+    """Step 2 of `sample`: filter the scaled logits [B, V] float32, then one token
+    per row: the argmax (greedy rows) or a draw from the softmax. checks: sample's
+    (id checks, raw logits), looked at before anything is drawn."""
+    filtered = _filter(scaled, params)
+    best, ids = filtered.max(-1)
+    if checks is not None:  # no NaN or inf reaches the draw
+        id_checks, raw = checks
+        ok = torch.isfinite(best) & torch.isfinite(raw.amax(-1))
+        _raise_if_bad(ok, id_checks, raw)
+    if all(p.greedy for p in params):
+        return ids
+    probs = filtered.softmax(-1)  # float32
+    generators = _rows(generators, len(params), "generators")
+    if all(g is generators[0] for g in generators):  # one generator: one call
+        drawn = torch.multinomial(probs, 1, generator=generators[0])[:, 0]
+        greedy = torch.tensor([p.greedy for p in params], device=ids.device)
+        return torch.where(greedy, ids, drawn)
+    return torch.cat([ids[i:i + 1] if p.greedy else
+                      torch.multinomial(probs[i], 1, generator=generators[i])
+                      for i, p in enumerate(params)])
 
 # %% ../chapters/02_naive_loop.ipynb #c040
 def sample(logits: torch.Tensor, params: SamplingParams | list[SamplingParams],
@@ -366,21 +390,7 @@ def sample(logits: torch.Tensor, params: SamplingParams | list[SamplingParams],
         if check:  # max() propagates NaN, so `best` is finite only if the row is
             _raise_if_bad(torch.isfinite(best), id_checks, logits2d)
         return ids[0] if logits.dim() == 1 else ids
-    filtered = _filter(logits2d.float(), rows, prev_rows, out_rows)
-    best, ids = filtered.max(-1)
-    if check:
-        raw_best = logits2d.amax(-1)
-        ok = torch.isfinite(best) & torch.isfinite(raw_best)
-        _raise_if_bad(ok, id_checks, logits2d)
-    if not all(p.greedy for p in rows):
-        probs = filtered.softmax(-1)  # float32
-        generators = _rows(generators, len(rows), "generators")
-        if all(g is generators[0] for g in generators):  # one generator: one call
-            drawn = torch.multinomial(probs, 1, generator=generators[0])[:, 0]
-            greedy = torch.tensor([p.greedy for p in rows], device=ids.device)
-            ids = torch.where(greedy, ids, drawn)
-        else:
-            ids = torch.cat([ids[i:i + 1] if p.greedy else
-                             torch.multinomial(probs[i], 1, generator=generators[i])
-                             for i, p in enumerate(rows)])
+    scaled = _scale(logits2d.float(), rows, prev_rows, out_rows)  # step 1
+    ids = _pick(scaled, rows, generators,  # step 2: filter, then argmax or draw
+                (id_checks, logits2d) if check else None)
     return ids[0] if logits.dim() == 1 else ids

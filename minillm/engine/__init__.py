@@ -7,6 +7,7 @@ step runs one batched forward. Exported from chapters/04_continuous_batching.ipy
     paged_scheduler.py  PagedScheduler (chapter 6): preemption, answers sharing a prompt
     runner.py      ModelRunner: a batch -> one forward -> sampled tokens (graphs.py: ch. 7)
     llm_engine.py  LLMEngine: add_request, step, abort
+    step_outputs.py  a step's tokens -> stop rules, text deltas, logprobs, history
     llm.py         LLM: the offline front door (generate, chat, stream)
 """
 from minillm.engine.llm import LLM

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..model import StepMeta
-from ..sampling import _penalize, make_generator, sample
+from ..sampling import _pick, _scale, make_generator, sample
 from ..sequence import Logprob, Sequence, block_early_stop
 
 # %% auto #0
@@ -137,15 +137,31 @@ def _finish_step(self, batch, logits: torch.Tensor) -> list:
 ModelRunner.run, ModelRunner.finish_step = _run, _finish_step
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31h-logprobs
-def token_logprobs(logits: torch.Tensor, params: list, history, outputs,
-                   ids: torch.Tensor, asked: list[bool]) -> torch.Tensor:
+def _draw(self, logits: torch.Tensor, params: list, generators, history,
+          outputs) -> tuple:
+    """Chapter 2's `sample`, as its two steps when a request asks for logprobs:
+    `_scale` (penalties, temperature) once, `_pick` draws from the scaled logits,
+    and the logprobs read the same. Returns the ids and the scaled logits (None
+    when no request asked)."""
+    asked = any(p.logprobs is not None for p in params)
+    scaled = _scale(logits.float(), params, history, outputs) if asked else None
+    if scaled is None or all(p.greedy and not p.penalized for p in params):
+        return sample(logits, params, generators, prev_ids=history, check=False,
+                      output_ids=outputs), scaled  # greedy: the raw argmax
+    return _pick(scaled, params, generators), scaled
+
+
+ModelRunner._draw = _draw
+
+
+def token_logprobs(scaled: torch.Tensor, params: list, ids: torch.Tensor,
+                   asked: list[bool]) -> torch.Tensor:
     """What `logprobs` report, as one tensor [B, 2 + 2k]: for each row the sampled
     token's log-probability and rank, then the k best tokens' log-probabilities and
-    ids. The distribution is log_softmax of the logits after the request's penalties
-    and temperature, before top-k/top-p/min-p drop any token (k = the largest ask)."""
-    B = logits.shape[0]
-    prev = [None] * B if history is None else history
-    logp = _penalize(logits.float(), params, prev, outputs).log_softmax(-1)
+    ids. The distribution is log_softmax of the scaled logits (after the request's
+    penalties and temperature, before top-k/top-p/min-p drop any token; k = the
+    largest ask)."""
+    logp = scaled.log_softmax(-1)
     chosen = logp.gather(-1, ids[:, None])  # [B, 1]
     rank = (logp > chosen).sum(-1, keepdim=True) + 1
     k = max(p.logprobs for p, a in zip(params, asked) if a)
@@ -177,12 +193,11 @@ def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:
     safe = (logits if all(p.greedy for p in params)  # nothing drawn: no copy
             else torch.where(ok[:, None], logits, zero))
     try:
-        ids = sample(safe, params, generators, prev_ids=history, check=False,
-                     output_ids=outputs)
+        ids, scaled = self._draw(safe, params, generators, history, outputs)
     except ValueError:  # find the rows that fail: each on its own
         return self._checked(seqs, logits, params, generators, history,
                              outputs, range(len(seqs)))
-    out, fine = self._read_back(ids, ok, safe, params, history, outputs)
+    out, fine = self._read_back(ids, ok, scaled, params)
     bad = [i for i in range(len(seqs)) if not fine[i]]  # each ends with its error
     for i, error in zip(bad, self._checked(seqs, logits, params, generators,
                                            history, outputs, bad)):
@@ -205,12 +220,11 @@ def _seen_ids(self, seqs: list[Sequence]) -> tuple:
     return history, outputs
 
 
-def _read_back(self, ids, ok, safe, params, history, outputs) -> tuple[list, list]:
+def _read_back(self, ids, ok, scaled, params) -> tuple[list, list]:
     """The step's one device read: the ids, one finite-logits flag per row and,
     for a request that asked, its token's log-prob and rank and the top k."""
     n, asked = len(params), [p.logprobs is not None for p in params]
-    extra = (token_logprobs(safe, params, history, outputs, ids, asked)
-             if any(asked) else None)
+    extra = token_logprobs(scaled, params, ids, asked) if any(asked) else None
     if extra is None:  # the one device read: ids and flags
         both = torch.cat([ids, ok.long()]).tolist()
     else:  # with the log-probabilities: all as float64 (exact for every id)
