@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -13,23 +14,27 @@ from dataclasses import dataclass
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
+from .. import __version__
 from .async_engine import AsyncEngine, RequestStream
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest,
-                                    CompletionRequest, bad_request)
+                                    CompletionRequest, DetokenizeRequest,
+                                    TokenizeRequest, bad_request)
 
 router = APIRouter()
 MAX_BODY_BYTES = 4 * 2**20  # a request body's default bound (build_app, 413)
 
 # %% auto #0
 __all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'Server', 'server', 'build_app', 'api_error', 'validation_error',
-           'http_error', 'BodyLimit', 'prompt_char_limit', 'health', 'metrics', 'list_models', 'submit', 'one_prompt',
-           'check_text', 'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone', 'finite',
-           'token_text', 'completion_logprobs', 'chat_logprobs', 'Sample', 'create_completion', 'gather',
-           'create_chat_completion', 'sse', 'event_stream']
+           'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit', 'health', 'metrics', 'list_models',
+           'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize', 'submit', 'one_prompt', 'check_text',
+           'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone', 'finite', 'token_text',
+           'completion_logprobs', 'chat_logprobs', 'Sample', 'create_completion', 'gather', 'create_chat_completion',
+           'sse', 'event_stream']
 
 # %% ../../chapters/09_serving.ipynb #s40b-app
 @dataclass
@@ -56,11 +61,14 @@ def server(request: Request) -> Server:
 def build_app(engine, model_name: str = "minillm",
               request_timeout: float | None = None,
               max_waiting: int | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES,
+              api_key: str | None = None) -> FastAPI:
     """A FastAPI app serving `engine` (an LLMEngine, or an LLM: its .engine).
-    The engine thread starts with the app and stops with it."""
+    The engine thread starts with the app and stops with it. With `api_key`,
+    every /v1/ route wants `Authorization: Bearer <api_key>`."""
     engine = getattr(engine, "engine", engine)
-    _check_build_args(engine, request_timeout, max_waiting, max_body_bytes)
+    _check_build_args(engine, request_timeout, max_waiting, max_body_bytes,
+                      api_key)
     async_engine = AsyncEngine(engine, request_timeout, max_waiting)
     metrics = ServerMetrics(model_name, lambda: async_engine.stats)
     async_engine.metrics = metrics
@@ -76,6 +84,8 @@ def build_app(engine, model_name: str = "minillm",
                               engine.max_model_len, prompt_char_limit(engine))
     app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # 413 before reading
+    if api_key is not None:  # added last, so it runs first: 401 before reading
+        app.add_middleware(BearerKey, api_key=api_key)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
@@ -101,7 +111,7 @@ async def http_error(request: Request, e: HTTPException) -> JSONResponse:
 
 
 def _check_build_args(engine, request_timeout, max_waiting,
-                      max_body_bytes) -> None:
+                      max_body_bytes, api_key=None) -> None:
     for name, value in [("request_timeout", request_timeout),
                         ("max_waiting", max_waiting),
                         ("max_body_bytes", max_body_bytes)]:
@@ -110,8 +120,34 @@ def _check_build_args(engine, request_timeout, max_waiting,
                                       and value > 0):
             raise ValueError(f"{name}={value!r}: give a number > 0"
                              + ("" if name == "max_body_bytes" else " or None"))
+    if api_key is not None and not (isinstance(api_key, str) and api_key):
+        raise ValueError(f"api_key={api_key!r}: give a non-empty string, or None "
+                         "for a server without a key")
     if engine.tokenizer is None:
         raise ValueError("the engine has no tokenizer: the API speaks text")
+
+# %% ../../chapters/09_serving.ipynb #s42c-auth
+class BearerKey:
+    """ASGI middleware for --api-key, as vLLM's: a request to a /v1/ route
+    without `Authorization: Bearer <api_key>` is a 401 in OpenAI's format. The
+    other routes (/health, /metrics, /version, /tokenize, /detokenize) stay
+    open, as in vLLM; a CORS preflight (OPTIONS) carries no key."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] != "http" or scope["method"] == "OPTIONS"
+                or not scope["path"].startswith("/v1")):
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self.expected):  # in constant time
+            return await self.app(scope, receive, send)
+        error = APIError(401, "the API key is missing or wrong: send the header "
+                         "'Authorization: Bearer <the server's --api-key>'",
+                         code="invalid_api_key")
+        await JSONResponse(error.body(), 401, headers={
+            "WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 # %% ../../chapters/09_serving.ipynb #s42b-bounds
 class BodyLimit:
@@ -179,10 +215,59 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [model_card(server(request))]}
+
+
+def model_card(s: Server) -> dict:
+    """OpenAI's model object for the one model this server serves."""
+    return {"id": s.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "minillm", "max_model_len": s.max_model_len}
+
+# %% ../../chapters/09_serving.ipynb #s43b-routes
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict:
     s = server(request)
-    return {"object": "list", "data": [{
-        "id": s.model_name, "object": "model", "created": int(time.time()),
-        "owned_by": "minillm", "max_model_len": s.max_model_len}]}
+    s.check_model(model_id)  # 404, as OpenAI, for a model not served here
+    return model_card(s)
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": __version__}
+
+# %% ../../chapters/09_serving.ipynb #s43c-tokenize
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    s = server(request)
+    if body.model is not None:
+        s.check_model(body.model)
+    body.check()  # a prompt or messages, not both
+    if body.messages is not None:
+        ids = await _chat_prompt(s, body.messages, body.add_generation_prompt)
+    else:
+        check_text(s, body.prompt, "prompt")
+        ids = await asyncio.to_thread(s.tokenizer.encode, body.prompt,
+                                      body.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": s.max_model_len,
+            "token_strs": None}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    s = server(request)
+    if body.model is not None:
+        s.check_model(body.model)
+    return {"prompt": await asyncio.to_thread(_decode_ids, s, body.tokens)}
+
+# %% ../../chapters/09_serving.ipynb #s43d-tokenize
+def _decode_ids(s: Server, ids: list[int]) -> str:
+    """/detokenize's text; an id outside the tokenizer's vocabulary is a 400."""
+    size = len(s.tokenizer)
+    bad = next((i for i in ids if not 0 <= i < size), None)
+    if bad is not None:
+        raise APIError(400, f"tokens: {bad} is not a token id of this model (0 to "
+                       f"{size - 1})", param="tokens")
+    return s.tokenizer.decode(ids)
 
 # %% ../../chapters/09_serving.ipynb #s44-submit
 async def submit(s: Server, prompt_ids: list[int], params,
@@ -412,15 +497,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     return {**head, "choices": choices, "usage": usage.as_dict()}
 
 # %% ../../chapters/09_serving.ipynb #s49b-chat
-async def _chat_prompt(s: Server, messages) -> list[int]:
+async def _chat_prompt(s: Server, messages,
+                       add_generation_prompt: bool = True) -> list[int]:
     """The messages through the chat template, as token ids (as LLM.chat); their
     text checked first, the template applied in a worker thread."""
     messages = [{"role": m.role, "content": m.text()} for m in messages]
     check_text(s, "".join(m["content"] for m in messages), "messages")
     try:
-        return await asyncio.to_thread(s.tokenizer.apply_chat_template,
-                                       messages, add_generation_prompt=True)
-    except ValueError as e:  # no template, or the template refused them
+        return await asyncio.to_thread(
+            s.tokenizer.apply_chat_template, messages,
+            add_generation_prompt=add_generation_prompt)
+    except (ValueError, TemplateError) as e:  # no template, or it refused them
         raise APIError(400, str(e), param="messages") from None
 
 

@@ -9,42 +9,132 @@ import argparse
 import asyncio
 import threading
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 
+from ..loader import QUANTIZATIONS
+
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="minillm serve", description=(
-        "An OpenAI-compatible server for a model folder, .gguf file or Hub name."))
-    p.add_argument("model")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help="the name clients give as `model` (default: MODEL)")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
-                   help="abort a request this long after it arrived")
-    p.add_argument("--max-waiting", type=int, default=None, metavar="N",
-                   help="answer 429 while N answers wait already (n per request)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, metavar="BYTES",
-                   help="answer 413 to a request body larger than this")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
-    p.add_argument("--log-level", default="info")
+    """`minillm serve`'s flags: vLLM's names, each with its help and default."""
+    p = argparse.ArgumentParser(
+        prog="python -m minillm serve",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, description=(
+            "An OpenAI-compatible server (vLLM's routes) for one model."))
+    p.add_argument("model", help="a model folder, a .gguf file or a Hub name, "
+                   "as LLM(model)")
+    _server_flags(p.add_argument_group("the server").add_argument)
+    _engine_flags(p.add_argument_group("the engine (LLM's arguments)").add_argument)
     return p
 
+
+def _server_flags(add) -> None:
+    add("--host", default="127.0.0.1", help="the address to listen on "
+        "(0.0.0.0: every interface of this machine)")
+    add("--port", type=port_number, default=8000, help="the TCP port to listen on")
+    add("--served-model-name", default=None, metavar="NAME", help="the name "
+        "clients give as `model`; None: MODEL as given")
+    add("--api-key", default=None, metavar="KEY", help="require 'Authorization: "
+        "Bearer KEY' on every /v1/ route (else 401); /health, /metrics, "
+        "/version and /tokenize stay open, as in vLLM")
+    add("--chat-template", type=chat_template, default=None, metavar="TEMPLATE",
+        help="a Jinja chat template (a file, or the template's text) used "
+        "instead of the tokenizer's; None: the tokenizer's")
+    add("--request-timeout", type=float, default=None, metavar="SECONDS",
+        help="abort a request this long after it arrived (408); None: never")
+    add("--max-waiting", type=int, default=None, metavar="N", help="answer 429 "
+        "while N answers wait already (n per request); None: no limit")
+    add("--max-body-bytes", type=int, default=4 * 2**20, metavar="BYTES",
+        help="answer 413 to a request body larger than this")
+    add("--log-level", default="info", choices=["critical", "error", "warning",
+        "info", "debug", "trace"], help="uvicorn's log level")
+
+
+def _engine_flags(add) -> None:
+    add("--max-num-seqs", type=int, default=32, metavar="N",
+        help="the most requests in one batch")
+    add("--max-model-len", type=int, default=None, metavar="TOKENS",
+        help="the longest prompt plus answer; None: from the model's config")
+    add("--dtype", default=None, help="the weights' float type (float32, "
+        "bfloat16, float16); None: the device's choice")
+    add("--quantization", default=None, choices=sorted(QUANTIZATIONS),
+        help="INT8 weights (Chapter 5); None: the weights as stored")
+    add("--seed", type=seed, default=None, help="the seed of requests that give "
+        "none: the same answers from one start to the next; None: random")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+        default=None, help="share the KV blocks of prompts that start alike "
+        "(Chapter 6); None: the engine's default (on)")
+
 # %% auto #0
-__all__ = ['parser', 'main', 'BackgroundServer']
+__all__ = ['parser', 'port_number', 'seed', 'chat_template', 'engine_args', 'usage_errors', 'main', 'BackgroundServer']
+
+# %% ../../chapters/09_serving.ipynb #s60a-cli
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0 to 65535)")
+    return port
+
+
+def seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 2**64)")
+    return value
+
+
+def chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself when it looks like a
+    template (Jinja's braces), as vLLM's; its syntax checked at once."""
+    import jinja2
+    try:
+        text = Path(value).read_text(encoding="utf-8") if Path(
+            value).is_file() else None
+    except OSError:  # e.g. a template's text, too long for a file name
+        text = None
+    if text is None and not ("{" in value and "}" in value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r:.80} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(text if text is not None else value)
+    except jinja2.TemplateSyntaxError as e:
+        raise argparse.ArgumentTypeError(f"{value!r:.80}: {e}") from None
+    return text if text is not None else value
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    """LLM(...)'s keyword arguments from the flags (prefix caching when given)."""
+    kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              dtype=args.dtype, quantization=args.quantization, seed=args.seed)
+    if args.enable_prefix_caching is not None:
+        kw["enable_prefix_caching"] = args.enable_prefix_caching
+    return kw
+
+
+@contextmanager
+def usage_errors(p: argparse.ArgumentParser):
+    """A value the engine refuses (ValueError) ends the command as argparse's
+    usage error: the message and status 2, no traceback."""
+    try:
+        yield
+    except ValueError as e:
+        p.error(str(e))
 
 # %% ../../chapters/09_serving.ipynb #s60b-cli
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     from minillm.engine.llm import LLM
     from minillm.serve.app import build_app
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, dtype=args.dtype)
-    app = build_app(llm, args.served_model_name or args.model,
-                    args.request_timeout, args.max_waiting, args.max_body_bytes)
+    with usage_errors(p):
+        llm = LLM(args.model, **engine_args(args))
+        if args.chat_template is not None and llm.engine.tokenizer is not None:
+            llm.engine.tokenizer.chat_template = args.chat_template
+        app = build_app(llm, args.served_model_name or args.model,
+                        args.request_timeout, args.max_waiting,
+                        args.max_body_bytes, api_key=args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

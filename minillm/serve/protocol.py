@@ -35,7 +35,8 @@ def bad_request(error: ValueError, names: dict | None = None) -> APIError:
 
 # %% auto #0
 __all__ = ['SAMPLING_FIELDS', 'MAX_API_TEMPERATURE', 'OFF', 'APIError', 'bad_request', 'StreamOptions', 'CommonRequest',
-           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'check_request']
+           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'check_request', 'TokenizeRequest',
+           'DetokenizeRequest']
 
 # %% ../../chapters/09_serving.ipynb #s11-requests
 class StreamOptions(BaseModel):
@@ -158,3 +159,31 @@ def check_request(body) -> None:
         raise APIError(400, f"temperature={t!r} is not allowed; give a number in "
                        f"[0, {MAX_API_TEMPERATURE:g}] (0 is greedy)",
                        param="temperature")
+
+# %% ../../chapters/09_serving.ipynb #s12c-tokenize
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages, to token ids."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True   # a prompt's BOS; messages: the template's
+    add_generation_prompt: bool = True  # messages only, as the chat route
+    return_token_strs: Literal[False] = False  # not supported: 400 when true
+
+    def check(self) -> None:
+        """Exactly one of prompt and messages, or a 400 naming the field."""
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt (a text) or messages (a chat), "
+                           "not " + ("both" if self.prompt is not None else
+                                     "neither"),
+                           param="prompt" if self.prompt is None else "messages")
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
