@@ -19,8 +19,14 @@ from .engine import graphs  # noqa: E402,F401  LLMEngine(..., cuda_graphs=True)
 _FRONT = {"LLM": "minillm.engine.llm", "LLMEngine": "minillm.engine.llm_engine",
           "RequestOutput": "minillm.engine.outputs",
           "CompletionOutput": "minillm.engine.outputs",
-          "SamplingParams": "minillm.sampling"}
+          "SamplingParams": "minillm.sampling",
+          "TextPrompt": "minillm.inputs", "TokensPrompt": "minillm.inputs"}
 __all__ = list(_FRONT)
+
+
+def __dir__() -> list[str]:
+    """The lazily loaded names too, so that dir() and tab completion show them."""
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name: str):

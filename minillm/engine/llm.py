@@ -4,33 +4,24 @@
 """The offline front door (chapter 4): LLM(...).generate(...), chat and streams."""
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput, final_output
+from ..inputs import is_token_ids, unpack_prompt
 from ..sampling import SamplingParams
 
 
-def _prompt_list(prompts) -> list:
-    """One prompt (text or token ids) or a list/tuple of them, as a list of prompts."""
-    if _is_one_prompt(prompts):
-        return [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts={prompts!r:.60}: give a prompt (text or token ids) "
-                         "or a list of prompts")
-    return list(prompts)
-
-
-def _is_one_prompt(prompts) -> bool:
-    """Text, or token ids (a list of ints, a 1-D tensor or array): one prompt."""
-    if isinstance(prompts, str):
-        return True
-    if hasattr(prompts, "ndim"):  # a tensor or a numpy array
-        return prompts.ndim == 1
-    return (isinstance(prompts, (list, tuple)) and len(prompts) > 0
-            and isinstance(prompts[0], numbers.Integral))
+def _prompt_list(prompts) -> tuple[list, list]:
+    """One prompt or a list/tuple of them, in any of vLLM's forms (text, token ids,
+    TextPrompt, TokensPrompt): (what the engine takes, what the outputs show)."""
+    one = isinstance(prompts, (str, dict)) or is_token_ids(prompts)
+    if not one and not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts={prompts!r:.60}: give a prompt (text, token ids "
+                         "or a prompt dict) or a list of prompts")
+    pairs = ([unpack_prompt(prompts, "prompts")] if one else
+             [unpack_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)])
+    return [p for p, _ in pairs], [shown for _, shown in pairs]
 
 
 def load_for_llm(model, tokenizer, dtype, device, quantization):
@@ -54,19 +45,42 @@ def load_for_llm(model, tokenizer, dtype, device, quantization):
     return model, tokenizer
 
 
+def _vllm_args(dtype, options: dict):
+    """vLLM's common LLM(...) arguments, taken out of `options`; returns the dtype.
+    dtype="auto": the checkpoint's dtype, or the device's default (as dtype=None).
+    enforce_eager (True or False): this engine runs eagerly; True with
+    cuda_graphs=True (chapter 7) is a contradiction and refused.
+    tensor_parallel_size: 1 only, as minillm runs on one device.
+    trust_remote_code (True or False): no meaning here, so accepted and ignored:
+    minillm runs its own model code, never Python from a checkpoint."""
+    eager = options.pop("enforce_eager", False)
+    tp = options.pop("tensor_parallel_size", 1)
+    remote = options.pop("trust_remote_code", False)
+    for name, value in [("enforce_eager", eager), ("trust_remote_code", remote)]:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: must be True or False")
+    if eager and options.get("cuda_graphs"):
+        raise ValueError("enforce_eager=True and cuda_graphs=True contradict: "
+                         "give one of them")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp != 1:
+        raise ValueError(f"tensor_parallel_size={tp!r}: minillm runs on one "
+                         "device; use tensor_parallel_size=1")
+    return None if isinstance(dtype, str) and dtype == "auto" else dtype
+
+
 def _check_seed(seed) -> None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                              or not 0 <= seed < 2**64):
         raise ValueError(f"seed={seed!r}: None or an int in [0, 2**64)")
 
 
-def _check_generate(prompts, sampling_params, use_tqdm: bool) -> tuple[list, list]:
-    """generate's arguments checked: the prompts as a list, and one SamplingParams
-    (or None) per prompt."""
+def _check_generate(prompts, sampling_params, use_tqdm: bool) -> tuple:
+    """generate's arguments checked: the prompts as a list (for the engine, and as
+    the outputs show them), and one SamplingParams (or None) per prompt."""
     params = sampling_params
     if not isinstance(use_tqdm, bool):
         raise ValueError(f"use_tqdm={use_tqdm!r}: must be True or False")
-    prompts = _prompt_list(prompts)
+    prompts, shown = _prompt_list(prompts)
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt")
     if isinstance(params, (list, tuple)):
@@ -75,7 +89,7 @@ def _check_generate(prompts, sampling_params, use_tqdm: bool) -> tuple[list, lis
                              "give one SamplingParams, or one per prompt")
     else:
         params = [params] * len(prompts)
-    return prompts, params
+    return prompts, shown, params
 
 
 def _forget(engine: LLMEngine, ids: list[str]) -> None:
@@ -91,7 +105,9 @@ __all__ = ['load_for_llm', 'LLM', 'RequestError', 'TextStream']
 class LLM:
     """The offline front door, with the names vLLM users know:
     LLM(model_path).generate(prompts, sampling_params) -> one RequestOutput per
-    prompt; outputs[0].outputs[0].text is the first prompt's answer."""
+    prompt; outputs[0].outputs[0].text is the first prompt's answer. vLLM's
+    dtype="auto", enforce_eager, tensor_parallel_size=1 and trust_remote_code are
+    taken too (_vllm_args says what each means here)."""
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
@@ -100,6 +116,7 @@ class LLM:
                  kv_cache: str | None = None, enable_chunked_prefill: bool = True,
                  seed: int | None = None, **options):
         _check_seed(seed)
+        dtype = _vllm_args(dtype, options)  # dtype="auto", enforce_eager, ...
         model, tokenizer = load_for_llm(model, tokenizer, dtype, device,
                                         quantization)
         self.engine = LLMEngine(model, tokenizer, max_num_seqs, max_num_batched_tokens,
@@ -111,9 +128,11 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: one prompt or a list (text or token ids); sampling_params: one for
-        all or one per prompt. Returns the outputs in the order of the prompts."""
-        prompts, params = _check_generate(prompts, sampling_params, use_tqdm)
+        """prompts: one prompt or a list (text, token ids, {"prompt": text} or
+        {"prompt_token_ids": ids}); sampling_params: one for all or one per
+        prompt. Returns the outputs in the order of the prompts."""
+        prompts, shown, params = _check_generate(prompts, sampling_params,
+                                                 use_tqdm)
         ids = []
         try:  # all requests are checked before any runs; a bad one adds none
             for prompt, p in zip(prompts, params):
@@ -121,7 +140,7 @@ class LLM:
         except BaseException:
             _forget(self.engine, ids)
             raise
-        return self._run(ids, use_tqdm, prompts)
+        return self._run(ids, use_tqdm, shown)
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45e-llm
 def _run(self, ids: list[str], use_tqdm: bool,
@@ -205,10 +224,16 @@ def _stream(self, prompt, params: SamplingParams | None = None) -> "TextStream":
     if params is not None and getattr(params, "n", 1) != 1:
         raise ValueError(f"n={params.n}: a stream is one answer; use n=1, or "
                          "LLMEngine.step() for n answers")
+    prompt, _ = unpack_prompt(prompt)  # any of vLLM's forms
     return TextStream(self.engine, self.engine.add_request(prompt, params))
 
 
-LLM.chat, LLM.stream = _chat, _stream
+def _get_tokenizer(self):
+    """The tokenizer that encodes prompts and decodes answers (vLLM's name)."""
+    return self.engine.tokenizer
+
+
+LLM.chat, LLM.stream, LLM.get_tokenizer = _chat, _stream, _get_tokenizer
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45h-llm
 class RequestError(RuntimeError):
