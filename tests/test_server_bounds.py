@@ -243,7 +243,7 @@ def test_a_client_that_gives_up_leaves_no_traceback(served):
 # --- 7. what is not supported is refused, OpenAI's ranges -----------------------------
 
 UNSUPPORTED = [  # (endpoint, fields, the param the 400 names)
-    ("completions", {"logit_bias": {"50": 100}}, "logit_bias"),
+    ("completions", {"logit_bias": {"50": 101}}, "logit_bias"),  # OpenAI's [-100, 100]
     ("completions", {"best_of": 3}, "best_of"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),

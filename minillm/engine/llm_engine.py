@@ -10,7 +10,7 @@ import time
 
 import minillm.kv.slots  # noqa: F401  (registers kv_cache="slots")
 from .outputs import CompletionOutput, RequestOutput, StepRecord
-from .runner import ModelRunner
+from .runner import ModelRunner, prompt_logprobs
 from .scheduler import Scheduler, check_policy
 from .step_outputs import (
     _decode_logprobs, _delta, _end_siblings, _record, _take)
@@ -100,8 +100,9 @@ def _add_request(self, prompt, params: SamplingParams | None = None,
     has n answers, each with its own random numbers."""
     prompt, request_id = self._check_request(prompt, request_id)
     seq = Sequence.create(self.model, prompt, params, self.tokenizer, request_id,
-                          arrival_time)
+                          arrival_time, self.max_model_len)  # max_tokens=None: the rest
     self._check_fits(seq)
+    self._prompt_logprobs(seq)  # only if asked: one forward over the prompt
     seqs = [seq] + [self._answer(seq, i) for i in range(1, seq.params.n)]
     self.groups[request_id] = seqs
     for s in seqs:
@@ -143,7 +144,19 @@ def _check_fits(self, seq: Sequence) -> None:
         raise ValueError(why)
 
 
+def _prompt_logprobs(self, seq: Sequence) -> None:
+    """SamplingParams(prompt_logprobs=k): the prompt's log-probs, computed once when
+    the request arrives (the runner's prompt_logprobs), each token with its text."""
+    k = seq.params.prompt_logprobs
+    if k is None:
+        return
+    seq.prompt_logprobs = prompt_logprobs(self.model, seq.prompt_ids, k)
+    for logprobs in seq.prompt_logprobs[1:]:
+        self._decode_logprobs(logprobs)
+
+
 LLMEngine._check_request, LLMEngine._check_fits = _check_request, _check_fits
+LLMEngine._prompt_logprobs = _prompt_logprobs
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43b4-answers
 def _answer(self, seq: Sequence, i: int) -> Sequence:
@@ -158,7 +171,7 @@ def _answer(self, seq: Sequence, i: int) -> Sequence:
                          f"{child_id!r} is taken; give another request id")
     child = Sequence.create(self.model, seq.prompt_ids, params, self.tokenizer,
                             child_id, seq.arrival_time)
-    child.index = i
+    child.index, child.prompt_logprobs = i, seq.prompt_logprobs
     return child
 
 

@@ -35,6 +35,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool                 # every answer has finished
     metrics: dict | None = None    # seconds (LLM.generate): ttft, e2e, tpot, ...
+    prompt_logprobs: list | None = None  # with SamplingParams(prompt_logprobs=k):
+    #                                None, then {id: Logprob} for each prompt token
 
 
 @dataclass
@@ -81,4 +83,4 @@ def final_output(request_id: str, prompt, seqs: list[Sequence]) -> RequestOutput
                                 s.stop_reason, s.error) for s in seqs]
     return RequestOutput(request_id, prompt if isinstance(prompt, str) else None,
                          list(seqs[0].prompt_ids), outputs, True,
-                         request_metrics(seqs))
+                         request_metrics(seqs), seqs[0].prompt_logprobs)

@@ -10,7 +10,7 @@ from ..sampling import _pick, _scale, make_generator, sample
 from ..sequence import Logprob, Sequence, block_early_stop
 
 # %% auto #0
-__all__ = ['ModelRunner', 'token_logprobs']
+__all__ = ['ModelRunner', 'token_logprobs', 'prompt_logprobs']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31-runner
 class ModelRunner:
@@ -145,7 +145,8 @@ def _draw(self, logits: torch.Tensor, params: list, generators, history,
     when no request asked)."""
     asked = any(p.logprobs is not None for p in params)
     scaled = _scale(logits.float(), params, history, outputs) if asked else None
-    if scaled is None or all(p.greedy and not p.penalized for p in params):
+    if scaled is None or all(p.greedy and not p.penalized and not p.logit_bias
+                             for p in params):
         return sample(logits, params, generators, prev_ids=history, check=False,
                       output_ids=outputs), scaled  # greedy: the raw argmax
     return _pick(scaled, params, generators), scaled
@@ -176,6 +177,28 @@ def _logprob_dict(token: int, row: list[float], k: int) -> dict:
     values, ids = row[2:2 + k], row[2 + width:2 + width + k]
     out = {int(t): Logprob(v, r + 1) for r, (v, t) in enumerate(zip(values, ids))}
     out[token] = Logprob(row[0], int(row[1]))
+    return out
+
+
+@torch.inference_mode()
+def prompt_logprobs(model, ids: list[int], k: int, chunk: int = 1024) -> list:
+    """vLLM's prompt_logprobs: None for the first token (nothing predicts it), then
+    for each next one {id: Logprob} with the prompt's token and the k most likely.
+    From the model's raw logits (no penalties, no temperature), log_softmax in
+    float32, over one forward of the whole prompt (no cache), `chunk` rows at once."""
+    device = model.embed_tokens.weight.device
+    tokens = torch.tensor([ids], device=device)
+    logits = model(tokens, torch.arange(len(ids), device=device)[None])[0, :-1]
+    out = [None]
+    for start in range(0, len(ids) - 1, chunk):
+        logp = logits[start:start + chunk].float().log_softmax(-1)
+        actual = tokens[0, start + 1:start + 1 + chunk]
+        chosen = logp.gather(-1, actual[:, None])  # what position t gave token t+1
+        rank = (logp > chosen).sum(-1, keepdim=True) + 1
+        best, best_ids = logp.topk(k, dim=-1)
+        rows = torch.cat([chosen.double(), rank.double(), best.double(),
+                          best_ids.double()], dim=-1).tolist()
+        out += [_logprob_dict(t, r, k) for t, r in zip(actual.tolist(), rows)]
     return out
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31j-runner

@@ -33,7 +33,8 @@ def _delta(self, outputs: dict, seq: Sequence, text: str, new: list[int],
     """Add what this step gave `seq` to its request's RequestOutput."""
     rid = self.group_of[seq.request_id]
     if rid not in outputs:
-        outputs[rid] = RequestOutput(rid, None, seq.prompt_ids, [], False)
+        outputs[rid] = RequestOutput(rid, None, seq.prompt_ids, [], False,
+                                     prompt_logprobs=seq.prompt_logprobs)
     outputs[rid].outputs.append(CompletionOutput(
         seq.index, text, new, seq.cumulative_logprob,
         None if logprobs is None else [logprobs], seq.finish_reason,

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import secrets
 import time
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import (HTMLResponse, JSONResponse, Response,
+                               StreamingResponse)
 from jinja2 import TemplateError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -31,10 +33,11 @@ MAX_BODY_BYTES = 4 * 2**20  # a request body's default bound (build_app, 413)
 # %% auto #0
 __all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'Server', 'server', 'build_app', 'api_error', 'validation_error',
            'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit', 'health', 'metrics', 'list_models',
-           'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize', 'submit', 'one_prompt', 'check_text',
-           'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone', 'finite', 'token_text',
-           'completion_logprobs', 'chat_logprobs', 'Sample', 'create_completion', 'gather', 'create_chat_completion',
-           'sse', 'event_stream']
+           'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize', 'docs', 'docs_page', 'submit',
+           'one_prompt', 'check_text', 'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone',
+           'finite', 'token_text', 'raw_bytes', 'token_key', 'completion_logprobs', 'chat_logprobs',
+           'prompt_logprobs_json', 'Sample', 'create_completion', 'gather', 'create_chat_completion', 'sse',
+           'event_stream']
 
 # %% ../../chapters/09_serving.ipynb #s40b-app
 @dataclass
@@ -79,7 +82,8 @@ def build_app(engine, model_name: str = "minillm",
         yield
         await async_engine.stop()  # aborts what is left: the KV memory is free
 
-    app = FastAPI(title="minillm", lifespan=lifespan)
+    app = FastAPI(title="minillm", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)  # /docs: our own page, offline
     app.state.server = Server(async_engine, metrics, model_name, engine.tokenizer,
                               engine.max_model_len, prompt_char_limit(engine))
     app.include_router(router)
@@ -269,6 +273,35 @@ def _decode_ids(s: Server, ids: list[int]) -> str:
                        f"{size - 1})", param="tokens")
     return s.tokenizer.decode(ids)
 
+# %% ../../chapters/09_serving.ipynb #s43e-docs
+@router.get("/docs", include_in_schema=False)
+async def docs(request: Request) -> HTMLResponse:
+    """The API's routes as one self-contained HTML page (no CDN: it works offline)."""
+    return HTMLResponse(docs_page(request.app.openapi()))
+
+# %% ../../chapters/09_serving.ipynb #s43f-docs
+def docs_page(schema: dict) -> str:
+    """An OpenAPI schema as a plain HTML table: method, path, summary, and the first
+    paragraph of each route's description. No script, no style sheet, no link out."""
+    e = html.escape
+    rows = []
+    for path, methods in schema.get("paths", {}).items():
+        for method, op in methods.items():
+            about = (op.get("description") or "").split("\n\n")[0]
+            summary = op.get("summary") or ""
+            rows.append(f"<tr><td><code>{e(method.upper())}</code></td>"
+                        f"<td><code>{e(path)}</code></td>"
+                        f"<td>{e(summary)}</td><td>{e(about)}</td></tr>")
+    info = schema.get("info", {})
+    title = e(f"{info.get('title', 'API')} {info.get('version', '')}".strip())
+    return ("<!doctype html><html><head><meta charset=\"utf-8\">"
+            f"<title>{title}</title></head><body><h1>{title}</h1>"
+            "<p>OpenAI's API (<code>/v1/...</code>) and vLLM's extras. The "
+            "schema: <a href=\"/openapi.json\">/openapi.json</a>.</p>"
+            "<table border=\"1\" cellpadding=\"4\"><tr><th>method</th>"
+            "<th>path</th><th>summary</th><th>what it does</th></tr>"
+            + "".join(rows) + "</table></body></html>")
+
 # %% ../../chapters/09_serving.ipynb #s44-submit
 async def submit(s: Server, prompt_ids: list[int], params,
                  names: dict) -> RequestStream:
@@ -383,6 +416,28 @@ def token_text(s: Server, token_id: int, lp) -> str:
         [token_id])
 
 
+def raw_bytes(s: Server, token_id: int, text: str) -> bytes:
+    """The bytes a token stands for: a byte-fallback token is part of a character,
+    and its text, U+FFFD, is not what it holds."""
+    try:
+        return s.tokenizer.token_bytes(token_id)
+    except Exception:  # a tokenizer that cannot tell
+        return text.encode("utf-8")
+
+
+def token_key(s: Server, token_id: int, lp) -> str:
+    """A completions token as text, as OpenAI writes it: a token that is not whole
+    characters becomes "bytes:\\xe4\\xbd" (its bytes), so that several byte
+    tokens do not all become "\ufffd" (and one key of top_logprobs)."""
+    text = token_text(s, token_id, lp)
+    data = raw_bytes(s, token_id, text)
+    try:
+        data.decode("utf-8")
+        return text
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
 def completion_logprobs(s: Server, c, offset: int) -> dict | None:
     """The completions API's logprobs: parallel lists, one entry per token."""
     if c.logprobs is None:
@@ -391,9 +446,9 @@ def completion_logprobs(s: Server, c, offset: int) -> dict | None:
            "text_offset": []}
     for token_id, top in zip(c.token_ids, c.logprobs):
         text = token_text(s, token_id, top[token_id])
-        out["tokens"].append(text)
+        out["tokens"].append(token_key(s, token_id, top[token_id]))
         out["token_logprobs"].append(finite(top[token_id].logprob))
-        out["top_logprobs"].append({token_text(s, t, lp): finite(lp.logprob)
+        out["top_logprobs"].append({token_key(s, t, lp): finite(lp.logprob)
                                     for t, lp in top.items()})
         out["text_offset"].append(offset)
         offset += len(text)
@@ -407,13 +462,24 @@ def chat_logprobs(s: Server, c, k: int) -> dict | None:
     def entry(token_id, lp):
         text = token_text(s, token_id, lp)
         return {"token": text, "logprob": finite(lp.logprob),
-                "bytes": list(text.encode("utf-8"))}
+                "bytes": list(raw_bytes(s, token_id, text))}
     content = []
     for token_id, top in zip(c.token_ids, c.logprobs):
         best = sorted(top.items(), key=lambda kv: kv[1].rank)[:k]
         content.append({**entry(token_id, top[token_id]),
                         "top_logprobs": [entry(t, lp) for t, lp in best]})
     return {"content": content}
+
+
+def prompt_logprobs_json(stream) -> list | None:
+    """vLLM's prompt_logprobs of a completion: None for the first prompt token,
+    then {token id: {"logprob", "rank", "decoded_token"}} for each next one."""
+    if stream.prompt_logprobs is None:
+        return None
+    return [None if top is None else {
+        t: {"logprob": finite(lp.logprob), "rank": lp.rank,
+            "decoded_token": lp.decoded_token} for t, lp in top.items()}
+        for top in stream.prompt_logprobs]
 
 
 @dataclass
@@ -438,12 +504,17 @@ async def create_completion(body: CompletionRequest, request: Request):
         "id": f"cmpl-{stream.request_id}", "object": "text_completion",
         "created": int(time.time()), "model": s.model_name}
     offsets = [0] * params.n  # where each answer's next token starts
+    told = set()  # the answers whose prompt_logprobs were sent (once each)
 
     def choice(c) -> dict:
         logprobs = completion_logprobs(s, c, offsets[c.index])
         offsets[c.index] += len(c.text)
-        return {"index": c.index, "text": c.text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        out = {"index": c.index, "text": c.text, "logprobs": logprobs,
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if params.prompt_logprobs is not None and c.index not in told:
+            told.add(c.index)
+            out["prompt_logprobs"] = prompt_logprobs_json(stream)
+        return out
 
     if body.stream:
         return event_stream(s, stream, body, head, usage, choice)

@@ -43,6 +43,7 @@ class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
     last_token: dict = field(default_factory=dict)  # index -> time (metrics)
+    prompt_logprobs: list | None = None  # SamplingParams(prompt_logprobs=k)'s
 
     def __aiter__(self):
         return self
@@ -55,6 +56,8 @@ class RequestStream:
             self.done = True
             raise item
         self.done = item.finished
+        if item.prompt_logprobs is not None:
+            self.prompt_logprobs = item.prompt_logprobs
         return item
 
 # %% ../../chapters/09_serving.ipynb #s21-engine

@@ -29,14 +29,14 @@ class APIError(Exception):
 
 def bad_request(error: ValueError, names: dict | None = None) -> APIError:
     """A ValueError of minillm ("field=value ...") as a 400 naming the field."""
-    match = re.match(r"(\w+)=", str(error))
+    match = re.match(r"(\w+)(?:=| ids \[)", str(error))  # "logit_bias ids [..."
     field = match.group(1) if match else None
     return APIError(400, str(error), param=(names or {}).get(field, field))
 
 # %% auto #0
 __all__ = ['SAMPLING_FIELDS', 'MAX_API_TEMPERATURE', 'OFF', 'APIError', 'bad_request', 'StreamOptions', 'CommonRequest',
-           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'check_request', 'TokenizeRequest',
-           'DetokenizeRequest']
+           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'api_logit_bias', 'check_request',
+           'TokenizeRequest', 'DetokenizeRequest']
 
 # %% ../../chapters/09_serving.ipynb #s11-requests
 class StreamOptions(BaseModel):
@@ -73,7 +73,7 @@ class CommonRequest(BaseModel):
     stop_token_ids: list[int] = []
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict | None = None    # OpenAI's, not supported: check_request
+    logit_bias: dict | None = None    # OpenAI's {"token id": bias in [-100, 100]}
     best_of: int | None = None
     response_format: dict | None = None
     tools: list | None = None
@@ -92,6 +92,8 @@ class CommonRequest(BaseModel):
         """The engine's SamplingParams; a bad value is a 400 naming the field."""
         check_request(self)  # the server's own bounds first
         values = {f: getattr(self, f) for f in SAMPLING_FIELDS}
+        values["logit_bias"] = api_logit_bias(self.logit_bias)  # "50" -> 50
+        values["prompt_logprobs"] = getattr(self, "prompt_logprobs", None)
         try:
             return SamplingParams(**values, max_tokens=max_tokens,
                                   logprobs=logprobs)
@@ -104,6 +106,7 @@ class CompletionRequest(CommonRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = 16
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's, and the k best
     echo: Literal[False] = False      # not supported: 400 when true
     suffix: None = None               # not supported: 400 when given
 
@@ -135,8 +138,23 @@ class ChatCompletionRequest(CommonRequest):
 # %% ../../chapters/09_serving.ipynb #s12b-requests
 MAX_API_TEMPERATURE = 2.0  # OpenAI's bound (SamplingParams allows more offline)
 OFF = {  # OpenAI's fields this server does not support -> values that change nothing
-    "logit_bias": ({},), "best_of": (1,), "response_format": ({"type": "text"},),
+    "best_of": (1,), "response_format": ({"type": "text"},),
     "tools": ([],), "tool_choice": ("none", "auto")}
+
+
+def api_logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias as SamplingParams takes it: JSON's keys are strings, so
+    {"50": 10} becomes {50: 10}. A key that is not a token id or a value that is not
+    a number is a 400 naming logit_bias; SamplingParams checks the bounds."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) \
+                or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise APIError(400, f"logit_bias: {key!r:.40}: {value!r:.40} is not "
+                           "allowed; give token ids (strings of digits, as \"50\") "
+                           "with numbers in [-100, 100]", param="logit_bias")
+        out[int(key)] = value
+    return out or None
 
 
 def check_request(body) -> None:
