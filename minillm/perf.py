@@ -61,7 +61,8 @@ def decode_bytes(model: torch.nn.Module, context: int = 0) -> int:
         seen.add(id(t))
         total += t.numel() * t.element_size()
     emb = model.embed_tokens.weight
-    if not c.tie_word_embeddings:             # a lookup reads one row of the table
+    if getattr(model.lm_head, "weight", None) is not emb:  # no head reads the
+        # whole table: the lookup reads one row of it
         total -= (emb.shape[0] - 1) * emb.shape[1] * emb.element_size()
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * context
     return total + kv * emb.element_size()

@@ -3,6 +3,7 @@
 # %% ../chapters/05_int8.ipynb #c04-export-imports
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import warnings
@@ -16,10 +17,12 @@ import torch.nn.functional as F
 from .loader import QUANTIZATIONS
 
 # %% auto #0
-__all__ = ['MODES', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'int8_matmul', 'exact_int8_matmul',
-           'Int8Int8Linear', 'fbgemm_missing', 'FbgemmLinear', 'quantize', 'is_quantized', 'import_bitsandbytes',
-           'bnb_missing', 'bnb_from_linear', 'quantize_targets', 'checked_ids', 'perplexity', 'int8_layers_on_meta',
-           'activation_absmax', 'smooth_groups', 'smooth', 'smooth_plan', 'gguf_quantize', 'gguf_round_trip']
+__all__ = ['MODES', 'GROUPED_MODES', 'TARGET_CHECKS', 'ON_LOAD', 'INT4_GROUPS', 'absmax_quantize', 'dequantize', 'Int8Linear',
+           'int_mm_works', 'int8_matmul', 'exact_int8_matmul', 'Int8Int8Linear', 'fbgemm_missing', 'FbgemmLinear',
+           'quantize', 'is_quantized', 'import_bitsandbytes', 'bnb_missing', 'bnb_from_linear', 'quantize_targets',
+           'checked_ids', 'perplexity', 'int8_layers_on_meta', 'activation_absmax', 'smooth_groups', 'smooth',
+           'smooth_plan', 'gguf_quantize', 'gguf_round_trip', 'fused_kernel', 'PackedInt8Linear', 'int4_quantize',
+           'int4_dequantize', 'Int4Linear', 'quantize_head']
 
 # %% ../chapters/05_int8.ipynb #c11-absmax
 def absmax_quantize(w: torch.Tensor, group_size: int | None = None
@@ -257,6 +260,7 @@ class FbgemmLinear(nn.Module):
 # %% ../chapters/05_int8.ipynb #c41-quantize
 MODES = {"w8a16": Int8Linear, "w8a8": Int8Int8Linear, "fbgemm": FbgemmLinear,
          "bnb-int8": None}
+GROUPED_MODES = {"w8a16"}  # the modes that take group_size
 
 
 def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = None,
@@ -286,8 +290,9 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
 # %% ../chapters/05_int8.ipynb #c41-bnb
 def is_quantized(model: nn.Module) -> bool:
     """Whether any layer of the model holds int8 weights (ours or bitsandbytes')."""
-    return any(isinstance(m, (Int8Linear, FbgemmLinear))
-               or type(m).__name__ == "Linear8bitLt" for m in model.modules())
+    ours = tuple(c for c in MODES.values() if isinstance(c, type))
+    return any(isinstance(m, ours) or type(m).__name__ == "Linear8bitLt"
+               for m in model.modules())
 
 
 def import_bitsandbytes():
@@ -333,6 +338,9 @@ def bnb_from_linear(linear: nn.Linear, threshold: float = 6.0) -> nn.Module:
     return layer.to(w.device)  # bitsandbytes quantizes the weight when it moves
 
 
+TARGET_CHECKS: dict = {}  # mode -> check(name, linear, group_size), raises ValueError
+
+
 def quantize_targets(model, mode: str, group_size, skip) -> list[tuple[str, nn.Module]]:
     """quantize's checks, all before any layer changes; returns the (name, layer)
     pairs to swap."""
@@ -347,8 +355,9 @@ def quantize_targets(model, mode: str, group_size, skip) -> list[tuple[str, nn.M
     if is_quantized(model):
         raise ValueError("the model is quantized already; load it again to quantize it "
                          "in another mode")
-    if group_size is not None and mode != "w8a16":
-        raise ValueError(f"group_size={group_size!r}: only mode='w8a16' has groups")
+    if group_size is not None and mode not in GROUPED_MODES:
+        raise ValueError(f"group_size={group_size!r}: only the modes "
+                         f"{sorted(GROUPED_MODES)} have groups")
     if mode == "bnb-int8" and bnb_missing():
         raise ImportError(f"mode='bnb-int8': {bnb_missing()}")
     if mode == "fbgemm":
@@ -369,6 +378,8 @@ def quantize_targets(model, mode: str, group_size, skip) -> list[tuple[str, nn.M
                                        or linear.in_features % group_size):
             raise ValueError(f"group_size={group_size!r} does not divide "
                              f"{name}.in_features={linear.in_features}")
+        if mode in TARGET_CHECKS:  # a mode's own limits (section 14's int4)
+            TARGET_CHECKS[mode](name, linear, group_size)
         w = linear.weight.detach()  # NaN and inf show in the extremes
         low, high = torch.aminmax(w) if w.numel() else (0.0, 0.0)
         if not (math.isfinite(low) and math.isfinite(high)):  # no scale
@@ -437,10 +448,10 @@ def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
     Returns {weight name: fill(float_weight)}: the loader calls it with each float
     weight it reads, and the layer stores its int8 copy (load_model(quantization=...)).
     """
-    if mode not in ("int8", "w8a16", "w8a8"):
-        raise ValueError(f"mode={mode!r}: quantize-on-load supports 'int8' (= 'w8a16')"
-                         " and 'w8a8'; for other modes load in float, then quantize()")
-    mode = "w8a16" if mode == "int8" else mode
+    if mode not in ON_LOAD:
+        raise ValueError(f"mode={mode!r}: quantize-on-load supports {sorted(ON_LOAD)}; "
+                         "for other modes load in float, then quantize()")
+    mode = ON_LOAD[mode]
     fill = {}
     for name, linear in list(model.named_modules()):
         if not isinstance(linear, nn.Linear) or name.rsplit(".", 1)[-1] in skip:
@@ -458,7 +469,8 @@ def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
     return fill
 
 
-for _mode in ("int8", "w8a16", "w8a8"):  # load_model(path, quantization=...)
+ON_LOAD = {"int8": "w8a16", "w8a16": "w8a16", "w8a8": "w8a8"}  # name -> mode
+for _mode in ON_LOAD:  # load_model(path, quantization=...)
     QUANTIZATIONS[_mode] = int8_layers_on_meta
 
 # %% ../chapters/05_int8.ipynb #s10-absmax
@@ -676,3 +688,216 @@ def gguf_round_trip(w: torch.Tensor, kind: str) -> torch.Tensor:
     from minillm.gguf import dequantize as gguf_dequantize
     raw = gguf_quantize(w, kind).cpu()
     return gguf_dequantize(raw.numpy(), kind, tuple(w.shape)).to(w.device)
+
+# %% ../chapters/05_int8.ipynb #k01-kernels
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS", "xpu": "XPU"}
+
+
+def fused_kernel(device: torch.device | str, bits: int) -> bool:
+    """Whether PyTorch has a fused int{bits} kernel (8: int8pack, 4: int4pack) for
+    this device type. CUDA's int4 kernel needs compute capability 8.0 or newer."""
+    device = torch.device(device)
+    return _has_fused_kernel(device.type, device.index, bits)
+
+
+@functools.lru_cache(maxsize=None)  # asked at every call of every layer
+def _has_fused_kernel(kind: str, index: int | None, bits: int) -> bool:
+    device = torch.device(kind, index)
+    op = {8: "_weight_int8pack_mm", 4: "_weight_int4pack_mm_for_cpu"
+          if device.type == "cpu" else "_weight_int4pack_mm"}[bits]
+    key = _DISPATCH_KEYS.get(device.type)
+    if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"aten::{op}", key):
+        return False
+    return not (bits == 4 and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) < (8, 0))
+
+
+def _cached(layer: nn.Module, name: str, tensor: torch.Tensor, make) -> torch.Tensor:
+    """make(tensor), kept on the layer until `tensor` moves or changes (a kernel's
+    bfloat16 scales are made once, not at every call)."""
+    key = (tensor.device, tensor.dtype, tensor.data_ptr(), tensor._version)
+    hit = layer.__dict__.get(name)
+    if hit is None or hit[0] != key:
+        hit = (key, make(tensor))
+        layer.__dict__[name] = hit
+    return hit[1]
+
+# %% ../chapters/05_int8.ipynb #k02-int8
+class PackedInt8Linear(Int8Linear):
+    """W8A16 with a fused kernel: the int8 weight is read once, as int8, and turned
+    into floats inside the matmul (PyTorch's _weight_int8pack_mm). One scale per
+    output channel; computes in bfloat16 where the kernel exists."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group_size is not None or not fused_kernel(x.device, 8):
+            return super().forward(x)  # section 2's eager path
+        scale = _cached(self, "_scale16", self.scale,
+                        lambda s: s.view(-1).to(torch.bfloat16))
+        y = torch.ops.aten._weight_int8pack_mm(
+            x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight, scale)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+# %% ../chapters/05_int8.ipynb #k06-int4
+@torch.no_grad()
+def int4_quantize(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, ...]:
+    """Codes q (uint8 in 0..15, [out, in]) and per-group scale and zero ([out, in //
+    group_size], bfloat16), so that w ≈ (q - 8) * scale + zero."""
+    _check_int4(w, group_size)  # hidden below
+    g = w.float().reshape(w.shape[0], -1, group_size)  # [out, groups, group_size]
+    low, high = g.amin(-1), g.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-8).to(torch.bfloat16)
+    zero = (low + 8 * scale.float()).to(torch.bfloat16)
+    q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]) + 8
+    return q.clamp(0, 15).to(torch.uint8).reshape(w.shape), scale, zero
+
+
+def int4_dequantize(q: torch.Tensor, scale: torch.Tensor,
+                    zero: torch.Tensor) -> torch.Tensor:
+    """The float32 weights that int4 codes stand for: (q - 8) * scale + zero."""
+    g = q.float().reshape(q.shape[0], scale.shape[1], -1)
+    w = (g - 8) * scale.float()[..., None] + zero.float()[..., None]
+    return w.reshape(q.shape)
+
+# %% ../chapters/05_int8.ipynb #k07-int4
+class Int4Linear(nn.Module):
+    """W4A16: 4-bit weights in groups, packed for the device's fused kernel
+    (`weight`: two codes per byte, [out, in // 2]; `scale_zero`: [in // group_size,
+    out, 2]). Computes in bfloat16 through the kernel; without one, dequantizes."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 group_size: int = 32, dtype=torch.float32, device=None):
+        super().__init__()
+        _check_int4_shape(in_features, out_features, group_size)  # hidden below
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size, self.layout = group_size, "plain"
+        self.register_buffer("weight", torch.zeros(
+            out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scale_zero", torch.zeros(
+            in_features // group_size, out_features, 2, dtype=torch.bfloat16,
+            device=device))
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+                     if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int | None = None):
+        w = linear.weight.detach()
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    group_size or 32, w.dtype, w.device)
+        layer.load_float(w)
+        if linear.bias is not None:
+            layer.bias.data.copy_(linear.bias.detach())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "plain":  # no fused kernel where the layer was made
+            y = F.linear(x, self.dequantize().to(x.dtype))
+        else:
+            y = _int4_matmul(self, x.reshape(-1, self.in_features))  # hidden below
+            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+# %% ../chapters/05_int8.ipynb #k08-int4
+def _check_int4(w: torch.Tensor, group_size) -> None:
+    if w.dim() != 2:
+        raise ValueError(f"w has shape {tuple(w.shape)}: give a 2-D weight [out, in]")
+    _check_int4_shape(w.shape[1], w.shape[0], group_size)
+
+
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes PyTorch's int4 kernels take
+
+
+def _check_int4_shape(in_features: int, out_features: int, group_size) -> None:
+    if group_size not in INT4_GROUPS:
+        raise ValueError(f"group_size={group_size!r}: int4 takes one of {INT4_GROUPS}")
+    if in_features % group_size or out_features % 16:
+        raise ValueError(f"int4 needs in_features ({in_features}) divisible by "
+                         f"group_size={group_size} and out_features ({out_features}) "
+                         "divisible by 16")
+
+
+def _inner_k_tiles(in_features: int) -> int | None:
+    """CUDA's int4 layout: the largest of 8, 4, 2 inner tiles that divide the rows."""
+    return next((t for t in (8, 4, 2) if in_features % (16 * t) == 0), None)
+
+
+@torch.no_grad()
+def _int4_load_float(self, w: torch.Tensor) -> None:
+    """Quantize a float weight [out, in] into this layer and pack it for the fused
+    kernel of the layer's device, where there is one (then layout = its device)."""
+    q, scale, zero = int4_quantize(w.to(self.weight.device), self.group_size)
+    self.scale_zero.copy_(torch.stack([scale.T, zero.T], -1))
+    dev, tiles = self.weight.device, _inner_k_tiles(self.in_features)
+    if dev.type == "cpu" and fused_kernel(dev, 4):
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+    elif dev.type == "cuda" and fused_kernel(dev, 4) and tiles:  # not yet run on a GPU
+        plain = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        packed = torch.ops.aten._convert_weight_to_int4pack(plain, tiles)
+    else:
+        packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        dev = None
+    self.weight = packed
+    self.layout = "plain" if dev is None else dev.type
+
+
+def _int4_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ W.T through the fused kernel the weights were packed for."""
+    if x.device.type != self.layout:
+        raise RuntimeError(f"this Int4Linear was packed for {self.layout}'s kernel "
+                           f"and is on {x.device}: quantize on the device you run on")
+    x = x.to(torch.bfloat16)
+    if self.layout == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.weight, self.group_size, self.scale_zero)
+    return torch.ops.aten._weight_int4pack_mm(
+        x, self.weight, self.group_size, self.scale_zero)
+
+
+@torch.no_grad()
+def _int4_dequantize(self) -> torch.Tensor:
+    """The layer's weights [out, in] in float32: unpacked, or (packed for a kernel)
+    read back through the kernel itself, multiplying the identity matrix."""
+    if self.layout != "plain":
+        eye = torch.eye(self.in_features, device=self.weight.device)
+        return _int4_matmul(self, eye).float().T
+    q = torch.stack([self.weight >> 4, self.weight & 15], -1).reshape(
+        self.out_features, self.in_features)
+    sz = self.scale_zero.transpose(0, 1)  # [out, groups, 2]
+    return int4_dequantize(q, sz[..., 0], sz[..., 1])
+
+
+def _int4_extra_repr(self) -> str:
+    return (f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, layout={self.layout}")
+
+
+Int4Linear.load_float, Int4Linear.dequantize = _int4_load_float, _int4_dequantize
+Int4Linear.extra_repr = _int4_extra_repr
+
+# %% ../chapters/05_int8.ipynb #k11-modes
+MODES.update({"int8": PackedInt8Linear, "int4": Int4Linear})
+GROUPED_MODES.add("int4")  # int4 takes group_size (default 32)
+ON_LOAD.update({"int8": "int8", "int4": "int4"})  # load_model(quantization=...)
+QUANTIZATIONS["int4"] = int8_layers_on_meta
+
+
+def _int4_target(name: str, linear: nn.Linear, group_size) -> None:
+    try:
+        _check_int4_shape(linear.in_features, linear.out_features, group_size or 32)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+TARGET_CHECKS["int4"] = _int4_target
+
+
+def quantize_head(model: nn.Module) -> nn.Module:
+    """lm_head in int8 with the fused kernel (PackedInt8Linear), in place. A tied
+    head stops sharing its weight: the embedding stays in float."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"model.lm_head is {type(head).__name__}, not an nn.Linear: "
+                         "is it quantized already?")
+    model.lm_head = PackedInt8Linear.from_linear(head)
+    return model

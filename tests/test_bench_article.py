@@ -44,7 +44,7 @@ def test_int8_arithmetic():
     ({"prompt_tokens": 0}, "prompt_tokens=0"),
     ({"repeats": True}, "repeats=True"),
     ({"prompt_tokens": 64, "max_model_len": 64}, "must exceed prompt_tokens=64"),
-    ({"quantization": "int4"}, "quantization='int4'"),
+    ({"quantization": "int3"}, "quantization='int3'"),
 ])
 def test_bad_arguments_fail_before_loading(kw, message, monkeypatch):
     monkeypatch.setattr("minillm.loader.load_model", lambda *a, **k: pytest.fail("loaded"))

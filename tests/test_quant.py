@@ -19,7 +19,8 @@ import torch.nn as nn
 from minillm.engine import LLM
 from minillm.generate import generate
 from minillm.loader import load_model
-from minillm.quant import (FbgemmLinear, Int8Int8Linear, Int8Linear, absmax_quantize,
+from minillm.quant import (FbgemmLinear, Int8Int8Linear, Int8Linear, PackedInt8Linear,
+                           absmax_quantize,
                            activation_absmax, bnb_missing, dequantize, exact_int8_matmul,
                            fbgemm_missing, gguf_quantize, gguf_round_trip,
                            int8_layers_on_meta, int8_matmul, is_quantized, perplexity,
@@ -227,7 +228,7 @@ def test_quantized_bytes_are_about_half_of_float16(shakespeare):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"mode": "int4"}, r"mode='int4'"),
+    ({"mode": "int3"}, r"mode='int3'"),
     ({"mode": None}, r"mode=None"),
     ({"mode": ["w8a16"]}, r"mode=\['w8a16'\]"),
     ({"mode": "bnb-int8", "group_size": 32}, r"group_size=32.*w8a16"),
@@ -413,10 +414,10 @@ def test_fbgemm_mode_refuses_a_model_off_the_cpu():
 
 @pytest.mark.parametrize("quantization", ["int8", "w8a16", "w8a8"])
 def test_load_model_quantizes_on_load_like_quantize(shakespeare, quantization):
-    mode = "w8a16" if quantization == "int8" else quantization
     loaded = load_model(SHAKESPEARE, dtype=torch.float32, quantization=quantization)
-    expected = quantize(copy.deepcopy(shakespeare), mode)
-    cls = Int8Int8Linear if mode == "w8a8" else Int8Linear
+    expected = quantize(copy.deepcopy(shakespeare), quantization)
+    cls = {"w8a8": Int8Int8Linear, "w8a16": Int8Linear,
+           "int8": PackedInt8Linear}[quantization]  # int8: chapter 5's fused kernel
     got = {n: m for n, m in loaded.named_modules() if isinstance(m, Int8Linear)}
     want = {n: m for n, m in expected.named_modules() if isinstance(m, Int8Linear)}
     assert got.keys() == want.keys() and len(got) > 0
@@ -431,7 +432,7 @@ def test_load_model_quantizes_on_load_like_quantize(shakespeare, quantization):
         assert torch.equal(loaded(ids, pos), expected(ids, pos))
 
 
-@pytest.mark.parametrize("bad", ["int4", "bnb-int8", "fbgemm", "", 8, True, ["int8"]])
+@pytest.mark.parametrize("bad", ["int3", "bnb-int8", "fbgemm", "", 8, True, ["int8"]])
 def test_load_model_refuses_other_quantizations(bad):
     with pytest.raises(ValueError, match="quantization"):
         load_model(SHAKESPEARE, quantization=bad)

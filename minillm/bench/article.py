@@ -75,7 +75,7 @@ def random_model(preset: str, device, dtype, quantization: str | None):
     with torch.device(device):
         net = Transformer(config).to(dtype).eval()
     if quantization is not None:
-        quantize(net, "w8a16" if quantization == "int8" else quantization)
+        quantize(net, quantization)  # the same layers as load_model(quantization=)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return net

