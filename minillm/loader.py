@@ -18,8 +18,8 @@ from .model import Transformer
 from .sources import resolve_folder
 
 # %% auto #0
-__all__ = ['FLOAT_DTYPES', 'QUANTIZATIONS', 'safetensors_files', 'read_safetensors_header', 'resolve_device', 'cuda_bf16',
-           'default_dtype', 'check_quantization', 'load_model']
+__all__ = ['FLOAT_DTYPES', 'DTYPE_RULES', 'QUANTIZATIONS', 'safetensors_files', 'read_safetensors_header', 'resolve_device',
+           'cuda_bf16', 'default_dtype', 'check_quantization', 'load_model']
 
 # %% ../chapters/02_naive_loop.ipynb #c026h
 def safetensors_files(folder: Path) -> list[Path]:
@@ -164,17 +164,25 @@ def check_quantization(quantization) -> None:
                      f"{sorted(QUANTIZATIONS) or 'the modes chapter 5 registers'}")
 
 
+DTYPE_RULES: dict = {}  # device type -> pick(config, device) for dtype="auto"
+#                         (chapter 7 registers "cpu": measure, then choose)
+
+
 def _load_inputs(path, dtype, device, quantization) -> tuple:
     """load_model's arguments checked, in this order: quantization, device, dtype, the
-    folder, its config and its files. Returns (folder, config, files, device, dtype)."""
+    folder, its config and its files. Returns (folder, config, files, device, dtype).
+    dtype None: default_dtype; "auto": the device type's rule, else default_dtype."""
     check_quantization(quantization)
     device = resolve_device(device)
-    if dtype is not None:
+    auto = isinstance(dtype, str) and dtype == "auto"
+    if dtype is not None and not auto:
         dtype = _check_dtype(dtype, device)
     folder = resolve_folder(path)
     config = ModelConfig.from_hf(folder)
     files = safetensors_files(folder)
-    dtype = dtype or default_dtype(config, device)
+    if dtype is None or auto:
+        pick = DTYPE_RULES.get(device.type, default_dtype) if auto else default_dtype
+        dtype = _check_dtype(pick(config, device), device)
     return folder, config, files, device, dtype
 
 # %% ../chapters/02_naive_loop.ipynb #c026b

@@ -62,11 +62,14 @@ _ANNOUNCED: set = set()  # (name, source) pairs said already in this process
 
 
 def announce(name: str, source: str) -> None:
-    """One line to stderr, once per process, saying where a model's weights come
-    from: a reader who asked for a Hub name should know when it is another copy."""
+    """One line, once per process, saying where a model's weights come from (a reader
+    who asked for a Hub name should know when it is another copy), or another choice
+    made for the user. To stderr; in a notebook, ordinary output, not an error box."""
     if (name, source) not in _ANNOUNCED:
         _ANNOUNCED.add((name, source))
-        print(f"minillm: {name}: {source}", file=sys.stderr)
+        shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+        notebook = type(shell).__name__ == "ZMQInteractiveShell"
+        print(f"minillm: {name}: {source}", file=sys.stdout if notebook else sys.stderr)
 
 
 def copy_source(name: str, copy: Path, why: str) -> str:

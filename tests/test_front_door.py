@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import minillm
 from minillm.engine.llm import LLM
@@ -76,9 +77,9 @@ def test_dir_lists_the_public_names():
 def test_vllm_arguments_accepted_where_they_mean_something():
     llm = LLM(str(SHAKESPEARE), device="cpu", dtype="auto", enforce_eager=True,
               tensor_parallel_size=1, trust_remote_code=False, max_num_seqs=2)
-    default = LLM(str(SHAKESPEARE), device="cpu", max_num_seqs=2)
+    from minillm.perf import cpu_auto_dtype  # chapter 7's measured rule for a CPU
     assert llm.engine.model.lm_head.weight.dtype == \
-        default.engine.model.lm_head.weight.dtype
+        cpu_auto_dtype(None, torch.device("cpu"))
     assert not llm.engine.requests and llm.engine.max_model_len > 0
     LLM(llm.engine.model, llm.get_tokenizer(), dtype="auto", enforce_eager=False,
         trust_remote_code=True, max_num_seqs=2)  # a loaded model: "auto" is no dtype

@@ -36,9 +36,10 @@ def load_for_llm(model, tokenizer, dtype, device, quantization):
                            quantization=quantization)
         if tokenizer is None:
             tokenizer = Tokenizer.from_pretrained(path)
-    else:
+    else:  # dtype="auto" asks for nothing a loaded model does not have
         given = {k: v for k, v in [("dtype", dtype), ("device", device),
-                                   ("quantization", quantization)] if v is not None}
+                                   ("quantization", quantization)]
+                 if v is not None and not (k == "dtype" and v == "auto")}
         if given:
             raise ValueError(f"{given} apply when LLM loads a folder; this model "
                              "is loaded already: use model.to(...) or quantize()")
@@ -47,7 +48,8 @@ def load_for_llm(model, tokenizer, dtype, device, quantization):
 
 def _vllm_args(dtype, options: dict):
     """vLLM's common LLM(...) arguments, taken out of `options`; returns the dtype.
-    dtype="auto": the checkpoint's dtype, or the device's default (as dtype=None).
+    dtype="auto": the loader's rule for the device (chapter 7 measures a CPU's
+    bfloat16), else the checkpoint's dtype or the device's default (as None).
     enforce_eager (True or False): this engine runs eagerly; True with
     cuda_graphs=True (chapter 7) is a contradiction and refused.
     tensor_parallel_size: 1 only, as minillm runs on one device.
@@ -65,7 +67,7 @@ def _vllm_args(dtype, options: dict):
     if isinstance(tp, bool) or not isinstance(tp, int) or tp != 1:
         raise ValueError(f"tensor_parallel_size={tp!r}: minillm runs on one "
                          "device; use tensor_parallel_size=1")
-    return None if isinstance(dtype, str) and dtype == "auto" else dtype
+    return dtype
 
 
 def _check_seed(seed) -> None:

@@ -58,7 +58,8 @@ def _engine_flags(add) -> None:
     add("--max-model-len", type=int, default=None, metavar="TOKENS",
         help="the longest prompt plus answer; None: from the model's config")
     add("--dtype", default=None, help="the weights' float type (float32, "
-        "bfloat16, float16); None: the device's choice")
+        "bfloat16, float16, or auto: on a CPU bfloat16 where measured faster); "
+        "None: the device's default")
     add("--quantization", default=None, choices=sorted(QUANTIZATIONS),
         help="INT8 weights (Chapter 5); None: the weights as stored")
     add("--seed", type=seed, default=None, help="the seed of requests that give "
