@@ -42,3 +42,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if needs_cuda(item):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A server of the tiny model for one test module: (its URL, its engine). The engine
+    is checked empty after the server stopped."""
+    from test_serve import NAME, tiny_llm
+
+    from minillm.serve.app import build_app
+    from minillm.serve.cli import BackgroundServer
+    llm = tiny_llm(max_num_seqs=4)
+    with BackgroundServer(build_app(llm, NAME)) as server:
+        yield server.url, llm.engine
+    assert not llm.engine.requests and not llm.engine.has_unfinished()

@@ -163,3 +163,14 @@ def compiling():
         yield
     assert counters["frames"]["ok"] > frames, "torch.compile compiled no frame"
     assert counters["stats"]["unique_graphs"] > graphs, "torch.compile made no graph"
+
+
+def post(url: str, path: str, body, headers=None, **kw):
+    """POST a JSON body (or raw bytes) to a test server. json.dumps escapes a lone
+    surrogate as JSON may, which httpx's json= cannot."""
+    import httpx
+    import json
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(url + path, content=data, timeout=60,
+                      headers={"Content-Type": "application/json", **(headers or {})},
+                      **kw)

@@ -15,6 +15,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from helpers import post
 from test_serve import NAME, metrics, tiny_llm, wait_idle
 
 from minillm.serve.app import build_app
@@ -24,19 +25,8 @@ HELLO = {"model": NAME, "prompt": "ROMEO:\n", "max_tokens": 4, "temperature": 0}
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-@pytest.fixture(scope="module")
-def served():
-    """One server for the module, its engine checked empty after it stopped."""
-    llm = tiny_llm(max_num_seqs=4)
-    with BackgroundServer(build_app(llm, NAME)) as server:
-        yield server.url, llm.engine
-    assert not llm.engine.requests and not llm.engine.has_unfinished()
 
 
-def post(url: str, path: str, body, **kw) -> httpx.Response:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(url + path, content=data, timeout=60,
-                      headers={"Content-Type": "application/json"}, **kw)
 
 
 def refused(r: httpx.Response, status: int, param: str | None, *words: str) -> dict:

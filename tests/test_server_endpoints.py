@@ -4,7 +4,6 @@ token on every `/v1/*` route, as vLLM; `/health` and `/metrics` stay open). Raw 
 with httpx, plus the `openai` client where it has a method for the route."""
 from __future__ import annotations
 
-import json
 
 import httpx
 import pytest
@@ -12,6 +11,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from helpers import post
 from test_serve import NAME, tiny_llm
 
 import minillm
@@ -23,12 +23,6 @@ SLASHED = "org/tiny"  # a Hub-style name: /v1/models/org/tiny must find it
 MESSAGES = [{"role": "user", "content": "Is this a dagger?"}]
 
 
-@pytest.fixture(scope="module")
-def served():
-    llm = tiny_llm(max_num_seqs=4)
-    with BackgroundServer(build_app(llm, NAME)) as server:
-        yield server.url, llm.engine
-    assert not llm.engine.requests and not llm.engine.has_unfinished()
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +34,6 @@ def locked():
     assert not llm.engine.requests and not llm.engine.has_unfinished()
 
 
-def post(url: str, path: str, body: dict, headers=None) -> httpx.Response:
-    """json.dumps escapes a lone surrogate as JSON may (httpx's json= cannot)."""
-    return httpx.post(url + path, content=json.dumps(body).encode(), timeout=60,
-                      headers={"Content-Type": "application/json", **(headers or {})})
 
 
 def assert_error(r: httpx.Response, status: int, param=None, code=None) -> dict:

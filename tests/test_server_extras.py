@@ -15,21 +15,15 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from test_serve import NAME, tiny_llm
+from helpers import post
+from test_serve import NAME
 
 from minillm.sequence import Logprob
-from minillm.serve.app import build_app, chat_logprobs, completion_logprobs
-from minillm.serve.cli import BackgroundServer
+from minillm.serve.app import chat_logprobs, completion_logprobs
 
 CHAT = [{"role": "user", "content": "Is this a dagger?"}]
 
 
-@pytest.fixture(scope="module")
-def served():
-    llm = tiny_llm(max_num_seqs=4)
-    with BackgroundServer(build_app(llm, NAME)) as server:
-        yield server.url, llm.engine
-    assert not llm.engine.requests and not llm.engine.has_unfinished()
 
 
 @pytest.fixture
@@ -37,9 +31,6 @@ def client(served):
     return openai.OpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0)
 
 
-def post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, content=json.dumps(body).encode(), timeout=60,
-                      headers={"Content-Type": "application/json"})
 
 
 # --- logit_bias ----------------------------------------------------------------------

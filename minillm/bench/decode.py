@@ -26,7 +26,8 @@ from ..model import Transformer
 from ..perf import decode_bytes, measure_bandwidth, mbu, peak_for
 from ..utils import bundled_model_path, synchronize
 
-__all__ = ["DTYPES", "model_pair", "engine_run", "loop_run", "round_robin",
+__all__ = ["DTYPES", "LLAMA_CPP_KINDS", "llama_cpp_missing", "gguf_copy",
+           "gguf_step_bytes", "llama_cpp_way", "check_llama_cpp", "model_pair", "engine_run", "loop_run", "round_robin",
            "agreement", "MAX_BATCH", "check_perf_args", "run_perf_benchmark", "score",
            "COLUMNS", "format_table", "write_csv", "decode_parser",
            "check_decode_args", "run_decode_command", "main"]
@@ -80,6 +81,82 @@ def real_folder(name: str):
     except (ValueError, OSError) as e:
         raise ValueError(f"--model={name!r}: not 'bundled', a preset {llamas} or a "
                          f"checkpoint ({e})") from None
+
+
+LLAMA_CPP_KINDS = ("F32", "Q8_0", "Q4_0")  # llama.cpp's formats the command runs
+
+
+def llama_cpp_missing() -> str | None:
+    """Why llama.cpp cannot run here (None: it can)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        return (f"llama-cpp-python is not installed ({e}): pip install llama-cpp-python "
+                "(it builds llama.cpp from source; see the README)")
+    return None
+
+
+def gguf_copy(folder: Path, kind: str) -> Path:
+    """The checkpoint written as a GGUF file in `kind`, once (chapter 2's write_gguf),
+    kept in minillm's cache."""
+    from ..gguf import cache_dir, file_hash, write_gguf
+    weights = Path(folder) / "model.safetensors"
+    out = cache_dir() / "gguf" / f"{Path(folder).name}-{file_hash(weights)}.{kind}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        write_gguf(folder, tmp, kind)
+        tmp.replace(out)
+    return out
+
+
+def gguf_step_bytes(path: Path) -> int:
+    """Bytes a decode step reads from a GGUF file's tensors: all of them, but one row
+    of the embedding table unless it is also the output layer (tied)."""
+    import gguf
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    total = sum(int(t.n_bytes) for t in tensors.values())
+    if "output.weight" not in tensors:  # tied: the head reads the whole table
+        return total
+    emb = tensors["token_embd.weight"]
+    rows = int(emb.shape[-1])  # GGUF shapes list the fastest dimension first
+    return total - int(emb.n_bytes) + int(emb.n_bytes) // rows
+
+
+def llama_cpp_way(folder: Path, kind: str, prompt: list[int], n: int):
+    """(run, bytes read per step): llama.cpp (llama-cpp-python) on the checkpoint in
+    `kind`, greedy, n tokens, the ms per token the median gap between tokens."""
+    from llama_cpp import Llama
+    path = gguf_copy(folder, kind)
+    llm = Llama(str(path), n_ctx=len(prompt) + n + 8, n_batch=512, verbose=False,
+                n_threads=torch.get_num_threads())
+
+    def run() -> dict:
+        ids, gaps, last = [], [], None
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0,
+                                  repeat_penalty=1.0, reset=True):
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            ids.append(int(token))
+            last = now
+            if len(ids) == n:
+                break
+        return {"ms_per_token": statistics.median(gaps) * 1e3, "ids": ids}
+    return run, gguf_step_bytes(path)
+
+
+def check_llama_cpp(model: str, kinds: tuple) -> None:
+    """--llama-cpp's checks, before any work."""
+    if not kinds:
+        return
+    if not set(kinds) <= set(LLAMA_CPP_KINDS) or len(set(kinds)) != len(kinds):
+        raise ValueError(f"llama_cpp={kinds!r}: allowed formats {LLAMA_CPP_KINDS}")
+    if model in PRESETS:
+        raise ValueError(f"llama.cpp runs a checkpoint file; --model={model!r} is random "
+                         "weights made in memory: give 'bundled' or a checkpoint")
+    if llama_cpp_missing():
+        raise ValueError(llama_cpp_missing())
 
 
 def engine_run(engine, prompt: list[int], n: int, batch: int, device) -> dict:
@@ -159,16 +236,20 @@ def check_perf_args(model, dtype, prompt_tokens, new_tokens, batches, repeats) -
 def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = None,
                        prompt_tokens: int = 128, new_tokens: int = 64,
                        batches: tuple = (1,), repeats: int = 3,
-                       compile: bool = False, fast: tuple = ()) -> list[dict]:
+                       compile: bool = False, fast: tuple = (),
+                       llama_cpp: tuple = ()) -> list[dict]:
     """Decode at batch 1 (transformers, chapter 3's loop, the engine eager, with graphs,
     with torch.compile) and the engine at each batch size: one row per way and batch.
-    fast: modes of FAST_MODES to run at batch 1 too (with a bfloat16 row), in turns."""
+    fast: modes of FAST_MODES to run at batch 1 too (with a bfloat16 row), in turns.
+    llama_cpp: formats of LLAMA_CPP_KINDS in which llama.cpp runs the same checkpoint
+    at batch 1, in the same turns (needs llama-cpp-python and a checkpoint)."""
     from functools import partial
 
     from minillm.utils import pick_device
     check_perf_args(model, dtype, prompt_tokens, new_tokens, batches, repeats)
     if not set(fast) <= set(FAST_MODES):
         raise ValueError(f"fast={fast!r}: allowed modes {FAST_MODES}")
+    check_llama_cpp(model, llama_cpp)
     device = pick_device(device)
     dtype = dtype or ("float16" if device.type == "cuda" else "float32")
     ours, hf = model_pair(model, DTYPES[dtype], device)
@@ -194,6 +275,13 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
         held[f"engine, {label} (ch. 5)"] = fast_copy(ours, mode)
         ways[f"engine, {label} (ch. 5)"] = engine(held[f"engine, {label} (ch. 5)"], 1,
                                                   False)
+    if llama_cpp:  # the same checkpoint, written as GGUF files; its KV in float16
+        folder = bundled_model_path() if model == "bundled" else real_folder(model)
+        c = ours.config
+        kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * (prompt_tokens + n // 2) * 2
+        for kind in llama_cpp:
+            ways[f"llama.cpp {kind}"], step = llama_cpp_way(folder, kind, prompt, n)
+            held[f"llama.cpp {kind}"] = step + kv
     rows = [{"batch": 1, **r} for r in round_robin(ways, repeats)]
     del hf, ways                             # transformers' memory goes back first
     if device.type == "cuda":
@@ -235,8 +323,9 @@ def score(rows, model, device, dtype, name, prompt_tokens, n, repeats,
         r["x_batch_1"] = r["tokens_per_s"] / one["tokens_per_s"] if one else None
         if r["batch"] == 1:
             r["x_transformers"] = reference_ms / r["ms_per_token"]
-            step_bytes = decode_bytes(held.get(r["way"], model),
-                                      context=prompt_tokens + n // 2)
+            h = held.get(r["way"], model)  # a model, or the bytes (llama.cpp)
+            step_bytes = h if isinstance(h, int) else decode_bytes(
+                h, context=prompt_tokens + n // 2)
             r["MBU"] = mbu(step_bytes, r["ms_per_token"] / 1e3, peak)
             r["same_tokens_as_transformers"] = agreement(r["ids"], reference_ids)
         r.pop("ids", None)
@@ -294,6 +383,10 @@ def decode_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fast", nargs="+", default=[], choices=FAST_MODES,
                         help="also chapter 5's fused-kernel modes at batch 1 (with "
                         "bfloat16 activations and an int8 LM head), e.g. --fast int8 int4")
+    parser.add_argument("--llama-cpp", nargs="+", default=[], choices=LLAMA_CPP_KINDS,
+                        help="also llama.cpp on the same checkpoint in these formats, "
+                        "in the same turns (needs pip install llama-cpp-python), e.g. "
+                        "--llama-cpp F32 Q8_0 Q4_0")
     add_run_arguments(parser)
     return parser
 
@@ -302,13 +395,15 @@ def check_decode_args(args: argparse.Namespace) -> torch.device:
     """Every argument, checked before any work. Returns the device."""
     check_perf_args(args.model, args.dtype, args.prompt_tokens, args.new_tokens,
                     tuple(args.batch), args.repeats)
+    check_llama_cpp(args.model, tuple(args.llama_cpp))
     return check_run_arguments(args)
 
 
 def run_decode_command(args: argparse.Namespace, device) -> tuple:
     rows = run_perf_benchmark(args.model, device, args.dtype, args.prompt_tokens,
                               args.new_tokens, tuple(args.batch), args.repeats,
-                              args.compile, tuple(args.fast))
+                              args.compile, tuple(args.fast),
+                              tuple(args.llama_cpp))
     return format_table(rows), lambda out: write_csv(rows, out)
 
 
