@@ -693,6 +693,7 @@ def gguf_round_trip(w: torch.Tensor, kind: str) -> torch.Tensor:
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS", "xpu": "XPU"}
 
 
+@torch.compiler.assume_constant_result  # torch.compile (ch. 7) asks once, no tracing
 def fused_kernel(device: torch.device | str, bits: int) -> bool:
     """Whether PyTorch has a fused int{bits} kernel (8: int8pack, 4: int4pack) for
     this device type. CUDA's int4 kernel needs compute capability 8.0 or newer."""
@@ -715,7 +716,10 @@ def _has_fused_kernel(kind: str, index: int | None, bits: int) -> bool:
 
 def _cached(layer: nn.Module, name: str, tensor: torch.Tensor, make) -> torch.Tensor:
     """make(tensor), kept on the layer until `tensor` moves or changes (a kernel's
-    bfloat16 scales are made once, not at every call)."""
+    bfloat16 scales are made once, not at every call). In a step torch.compile
+    traces (chapter 7), make(tensor) is part of the step (a constant once frozen)."""
+    if torch.compiler.is_compiling():  # data pointers cannot be traced
+        return make(tensor)
     key = (tensor.device, tensor.dtype, tensor.data_ptr(), tensor._version)
     hit = layer.__dict__.get(name)
     if hit is None or hit[0] != key:
@@ -847,11 +851,11 @@ def _int4_matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"this Int4Linear was packed for {self.layout}'s kernel "
                            f"and is on {x.device}: quantize on the device you run on")
     x = x.to(torch.bfloat16)
+    sz = self.scale_zero.to(torch.bfloat16)  # a float32 model.to() made it float32
     if self.layout == "cpu":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.weight, self.group_size, self.scale_zero)
-    return torch.ops.aten._weight_int4pack_mm(
-        x, self.weight, self.group_size, self.scale_zero)
+            x, self.weight, self.group_size, sz)
+    return torch.ops.aten._weight_int4pack_mm(x, self.weight, self.group_size, sz)
 
 
 @torch.no_grad()

@@ -244,11 +244,16 @@ def exercise_cells(path: Path) -> list[dict]:
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_solutions_are_code_and_hidden_with_their_output(path):
     """A solution is a cell that checks its answer; on the website the answer stays
-    folded away, its output too (hide-cell: hide-input would show the output)."""
+    folded away, its output too (hide-cell: hide-input would show the output). A cell
+    tagged exercise-test is shown: the test a reader's own function must pass."""
     cells = exercise_cells(path)
     assert cells, f"{path.name}: the exercises have no solution cells"
-    shown = [c["id"] for c in cells
-             if "hide-cell" not in c.get("metadata", {}).get("tags", [])]
+    tags = [set(c.get("metadata", {}).get("tags", [])) for c in cells]
+    shown = [c["id"] for c, t in zip(cells, tags)
+             if "hide-cell" not in t and "exercise-test" not in t]
     assert not shown, f"{path.name}: solution cells shown on the page: {shown}"
+    for c, t in zip(cells, tags):  # a test the reader's own function must pass
+        if "exercise-test" in t:
+            assert "assert" in "".join(c["source"]), f"{c['id']}: a test that asserts"
     assert any("assert" in "".join(c["source"]) for c in cells), \
         f"{path.name}: no solution asserts its answer"

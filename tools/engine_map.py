@@ -1,6 +1,6 @@
 """Draw the "you are here" map of the engine that opens every chapter.
 
-    python tools/engine_map.py            # write book/figures/engine_map_00.svg ... _09.svg
+    python tools/engine_map.py            # write book/figures/engine_map_00.svg ... _10.svg
     python tools/engine_map.py --check    # fail if a committed map differs from a fresh one
 
 One drawing of the engine's data flow (text -> tokenizer -> prompt ids -> scheduler ->
@@ -37,6 +37,7 @@ TITLES = {
     7: "Performance",
     8: "Troubleshooting",
     9: "Serving",
+    10: "Speculative decoding",
 }
 
 WIDTH, HEIGHT = 10.0, 5.3  # inches; one data unit is one inch
@@ -89,6 +90,7 @@ HIGHLIGHT[0] = {"text_in", "encode", "prompt", "scheduler", "model", "attention"
                 "sampling", "new_ids", "decode", "text_out", "memory"}
 HIGHLIGHT[8] = set()
 HIGHLIGHT[9] = {"text_in", "text_out"}  # and the server box drawn below them
+HIGHLIGHT[10] = set()  # its parts are drawn below the loop
 
 # Chapter 8 marks where each symptom of its troubleshooting table comes from.
 SYMPTOMS = [  # (text, x, y) of the tag's centre
@@ -189,6 +191,17 @@ def draw(chapter: int) -> plt.Figure:
                 fontsize=FONT, color=HI_TEXT, fontweight="bold", zorder=3, gid="serve")
         ax.add_patch(FancyArrowPatch((0.675, 2.03), (0.675, ROW_B), arrowstyle="<|-|>",
                                      mutation_scale=13, lw=1.3, color=ARROW, zorder=4))
+
+    if chapter == 10:  # drafts from a proposer, verified by the model, accepted below
+        ax.add_patch(FancyBboxPatch((0.15, 1.58), 6.60, 0.45,
+                                    boxstyle="round,pad=0,rounding_size=0.1", fc=HI_FILL,
+                                    ec=HI_EDGE, lw=2.2, gid="box-proposer", zorder=2))
+        ax.text(3.45, 1.805, "draft k tokens → verify in one forward → rejection sampler",
+                ha="center", va="center",
+                fontsize=FONT, color=HI_TEXT, fontweight="bold", zorder=3, gid="proposer")
+        ax.add_patch(FancyArrowPatch((6.75, 1.805), (7.6, ROW_B), arrowstyle="-|>",
+                                     mutation_scale=13, lw=1.3, color=ARROW, zorder=4,
+                                     connectionstyle="arc3,rad=0.25"))
 
     # banner: where this chapter sits
     ax.add_patch(FancyBboxPatch((0.15, 4.6), 9.7, 0.55, boxstyle="round,pad=0,rounding_size=0.1",
