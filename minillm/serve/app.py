@@ -73,7 +73,7 @@ def build_app(engine, model_name: str = "minillm",
     _check_build_args(engine, request_timeout, max_waiting, max_body_bytes,
                       api_key)
     async_engine = AsyncEngine(engine, request_timeout, max_waiting)
-    metrics = ServerMetrics(model_name, lambda: async_engine.stats)
+    metrics = ServerMetrics(model_name, lambda: async_engine.stats, engine)
     async_engine.metrics = metrics
 
     @asynccontextmanager

@@ -16,6 +16,10 @@ import uvicorn
 
 from ..loader import QUANTIZATIONS
 
+# Engine flags a later chapter adds: "--flag" -> (the LLM(...) keyword it becomes,
+# argparse's add_argument keywords). A flag left at None is not passed to LLM.
+ENGINE_FLAGS: dict[str, tuple[str, dict]] = {}
+
 
 def parser() -> argparse.ArgumentParser:
     """`minillm serve`'s flags: vLLM's names, each with its help and default."""
@@ -67,9 +71,12 @@ def _engine_flags(add) -> None:
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         default=None, help="share the KV blocks of prompts that start alike "
         "(Chapter 6); None: the engine's default (on)")
+    for flag, (keyword, kwargs) in ENGINE_FLAGS.items():  # later chapters' flags
+        add(flag, dest=keyword, **kwargs)
 
 # %% auto #0
-__all__ = ['parser', 'port_number', 'seed', 'chat_template', 'engine_args', 'usage_errors', 'main', 'BackgroundServer']
+__all__ = ['ENGINE_FLAGS', 'parser', 'port_number', 'seed', 'chat_template', 'engine_args', 'usage_errors', 'main',
+           'BackgroundServer']
 
 # %% ../../chapters/09_serving.ipynb #s60a-cli
 def port_number(text: str) -> int:
@@ -111,6 +118,9 @@ def engine_args(args: argparse.Namespace) -> dict:
               dtype=args.dtype, quantization=args.quantization, seed=args.seed)
     if args.enable_prefix_caching is not None:
         kw["enable_prefix_caching"] = args.enable_prefix_caching
+    for keyword, _ in ENGINE_FLAGS.values():  # later chapters' flags, when given
+        if getattr(args, keyword, None) is not None:
+            kw[keyword] = getattr(args, keyword)
     return kw
 
 

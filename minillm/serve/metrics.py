@@ -13,8 +13,12 @@ ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
+# Metrics a later chapter adds: functions (registry, model_name, engine) -> None,
+# called once by every server, with its own registry and the LLMEngine it serves.
+METRIC_COLLECTORS: list = []
+
 # %% auto #0
-__all__ = ['TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'ServerMetrics']
+__all__ = ['TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'METRIC_COLLECTORS', 'ServerMetrics']
 
 # %% ../../chapters/09_serving.ipynb #s30b-metrics
 class ServerMetrics:
@@ -22,7 +26,7 @@ class ServerMetrics:
     scraped; histograms and counters are fed as outputs arrive. Each server
     has a registry of its own, so two servers in one process do not clash."""
 
-    def __init__(self, model_name: str, stats):
+    def __init__(self, model_name: str, stats, engine=None):
         self.registry, self.model_name = CollectorRegistry(), model_name
         kw = dict(labelnames=["model_name"], registry=self.registry)
         for name, doc, read in [
@@ -49,6 +53,8 @@ class ServerMetrics:
         self._success = Counter("minillm:request_success", "Finished requests.",
                                  labelnames=["model_name", "finished_reason"],
                                  registry=self.registry)
+        for collect in METRIC_COLLECTORS:  # what later chapters measure
+            collect(self.registry, model_name, engine)
 
 # %% ../../chapters/09_serving.ipynb #s31-observe
 def _observe(self, stream, out, now: float) -> None:

@@ -89,6 +89,8 @@ def _propose(self, batch) -> tuple[list, list]:
     drafts, q = self.proposer.propose(batch.seqs, room, generators)
     for i, s in enumerate(batch.seqs):  # memory for the drafts, as far as it goes
         fits = self.base.kv.reserve_drafts(s, len(drafts[i])) if drafts[i] else 0
+        if fits < len(drafts[i]):  # the draft model computed drafts we drop
+            self.proposer.rollback(s, s.num_tokens + fits)
         drafts[i] = drafts[i][:fits]
         q[i] = None if q[i] is None or not fits else q[i][:fits]
     return drafts, q
