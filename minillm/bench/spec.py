@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -117,6 +118,8 @@ def run_spec_benchmark(model: str = "smollm2-135m-instruct", dtype=torch.bfloat1
                     differ[way] = max(differ[way], sum(
                         a != b for a, b in zip(ids, reference)))
                     speed[way].append(sum(map(len, ids)) / seconds)
+                    print(f"{task}, {n} at once, {way}: {speed[way][-1]:.1f} "
+                          "tokens/s", file=sys.stderr, flush=True)  # progress
             for way, llm in llms.items():
                 stats = getattr(llm.engine.runner, "stats", None)
                 ratio = statistics.median(
