@@ -1,6 +1,7 @@
 """Chapter 7's decode benchmark: ms per token and tokens/s of `transformers`'
 `generate()`, chapter 3's loop, the engine eagerly, with CUDA graphs and with
-torch.compile, at batch 1 and at larger batches, with the MBU of each. Chapter 7
+torch.compile (off a GPU: also a compiled decode step per way), at batch 1 and at
+larger batches, with the MBU of each. Chapter 7
 (section 11) runs `run_perf_benchmark`; `python -m minillm.bench decode -h` runs it as a
 command."""
 from __future__ import annotations
@@ -26,12 +27,14 @@ from ..model import Transformer
 from ..perf import decode_bytes, measure_bandwidth, mbu, peak_for
 from ..utils import bundled_model_path, synchronize
 
-__all__ = ["DTYPES", "LLAMA_CPP_KINDS", "llama_cpp_missing", "gguf_copy",
+__all__ = ["COMPILED", "DTYPES", "LLAMA_CPP_KINDS", "llama_cpp_missing", "gguf_copy",
            "gguf_step_bytes", "llama_cpp_way", "check_llama_cpp", "model_pair", "engine_run", "loop_run", "round_robin",
            "agreement", "MAX_BATCH", "check_perf_args", "run_perf_benchmark", "score",
            "COLUMNS", "format_table", "write_csv", "decode_parser",
            "check_decode_args", "run_decode_command", "main"]
 
+
+COMPILED = "engine, compiled (ch. 7)"  # --compile off a GPU: section 14's runner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
@@ -171,9 +174,12 @@ def engine_run(engine, prompt: list[int], n: int, batch: int, device) -> dict:
     synchronize(device)
     seconds = time.perf_counter() - start
     decode = [r.end - r.start for r in engine.history[first:] if not r.is_prefill]
-    return {"ms_per_token": statistics.median(decode) * 1e3,
-            "tokens_per_s": batch * n / seconds, "seconds": seconds,
-            "ids": engine.pop(rids[0]).output_ids}
+    out = {"ms_per_token": statistics.median(decode) * 1e3,
+           "tokens_per_s": batch * n / seconds, "seconds": seconds,
+           "ids": engine.pop(rids[0]).output_ids}
+    if hasattr(engine.runner, "compile_seconds"):  # a compiled step: so far
+        out["compile_s"] = engine.runner.compile_seconds
+    return out
 
 
 def loop_run(method, prompt: list[int], n: int, device) -> dict:
@@ -198,6 +204,8 @@ def round_robin(ways: dict, repeats: int) -> list[dict]:
                 row[key] = statistics.median(r[key] for r in timed)
         if "seconds" in first:
             row["first_run_s"] = first["seconds"]
+        if "compile_s" in first:  # compiled in the first round (a warm-up)
+            row["compile_s"] = timed[-1]["compile_s"]
         rows.append(row)
     return rows
 
@@ -241,6 +249,8 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
     """Decode at batch 1 (transformers, chapter 3's loop, the engine eager, with graphs,
     with torch.compile) and the engine at each batch size: one row per way and batch.
     fast: modes of FAST_MODES to run at batch 1 too (with a bfloat16 row), in turns.
+    compile off a GPU: every engine way at batch 1 also with its decode step compiled
+    (compile_decode=True), in the same turns; compile_s is what compiling took.
     llama_cpp: formats of LLAMA_CPP_KINDS in which llama.cpp runs the same checkpoint
     at batch 1, in the same turns (needs llama-cpp-python and a checkpoint)."""
     from functools import partial
@@ -259,22 +269,30 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
                          f"than the context of {ours.config.context_length}")
     prompt = random_prompt(ours.config.vocab_size, prompt_tokens)
 
-    def engine(m, batch, graphs):
+    def engine(m, batch, graphs, compiled=False):
         e = LLMEngine(m, max_num_seqs=batch, kv_cache="paged",
-                      max_model_len=prompt_tokens + n, cuda_graphs=graphs)
+                      max_model_len=prompt_tokens + n, cuda_graphs=graphs,
+                      compile_decode=compiled)
         return partial(engine_run, e, prompt, n, batch, device)
+    # --compile off a GPU: each way's decode step compiled too (chapter 7, section 14)
+    steps = compile and device.type != "cuda"
     eager, graphs = "engine (ch. 4, 6)", "engine + CUDA graphs (ch. 7)"
     ways = {"transformers generate()": partial(loop_run, transformers_method(hf),
                                                prompt, n, device),
             "KV cache loop (ch. 3)": partial(loop_run, minillm_methods(ours)[1],
                                              prompt, n, device),
             eager: engine(ours, 1, False), graphs: engine(ours, 1, True)}
+    if steps:
+        ways[COMPILED] = engine(ours, 1, False, True)
     held = {}  # way -> its own model (the bytes it reads differ)
     for mode in ([None, *fast] if fast else []):  # chapter 5's fast modes
-        label = "bfloat16" if mode is None else f"{mode} + int8 head, bfloat16"
-        held[f"engine, {label} (ch. 5)"] = fast_copy(ours, mode)
-        ways[f"engine, {label} (ch. 5)"] = engine(held[f"engine, {label} (ch. 5)"], 1,
-                                                  False)
+        label = "bfloat16" if mode is None else f"{mode} + int8 head"
+        way = f"engine, {label}{'' if mode is None else ', bfloat16'} (ch. 5)"
+        held[way] = fast_copy(ours, mode)
+        ways[way] = engine(held[way], 1, False)
+        if steps:  # the same model, its decode step compiled
+            twin = f"engine, {label}, compiled (ch. 7)"
+            held[twin], ways[twin] = held[way], engine(held[way], 1, False, True)
     if llama_cpp:  # the same checkpoint, written as GGUF files; its KV in float16
         folder = bundled_model_path() if model == "bundled" else real_folder(model)
         c = ours.config
@@ -379,7 +397,9 @@ def decode_parser() -> argparse.ArgumentParser:
                         help="batch sizes of the engine, e.g. 1 64")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true",
-                        help="also the engine + graphs with torch.compile")
+                        help="also the engine + graphs with torch.compile; off a GPU "
+                        "also each engine way's decode step compiled (chapter 7, "
+                        "section 14), e.g. --compile --fast int8 int4")
     parser.add_argument("--fast", nargs="+", default=[], choices=FAST_MODES,
                         help="also chapter 5's fused-kernel modes at batch 1 (with "
                         "bfloat16 activations and an int8 LM head), e.g. --fast int8 int4")
