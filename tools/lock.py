@@ -87,8 +87,11 @@ def installed() -> dict[str, str]:
     """{canonical name: public version} of this interpreter's environment, minillm
     left out."""
     from importlib.metadata import distributions
+    # setuptools (imported by torch.compile's C++ builder) puts its own _vendor folder
+    # on sys.path; the packages it vendors there are not installed ones
+    paths = [p for p in sys.path if Path(p).name != "_vendor"]
     found = {}
-    for dist in distributions():
+    for dist in distributions(path=paths):
         name = canonical(dist.metadata["Name"] or "")
         if name and name != "minillm":
             found[name] = dist.version.split("+")[0]
