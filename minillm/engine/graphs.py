@@ -256,6 +256,7 @@ def enable_cuda_graphs(engine, buckets: list[int] | None = None,
     runner = GraphRunner(old.model, old.kv, buckets, spans, capture)
     runner.generators = old.generators  # requests added already keep theirs
     runner.default_generator = old.default_generator
+    runner.logits_processors = old.logits_processors
     if runner.capture:
         blocker = graph_blockers(runner.model)
         if blocker:
@@ -265,11 +266,11 @@ def enable_cuda_graphs(engine, buckets: list[int] | None = None,
     return runner
 
 # %% ../../chapters/07_performance.ipynb #c46c-graphs
-def cuda_graphs_option(on: bool):
+def cuda_graphs_option(on: bool | None):
     """LLMEngine(..., cuda_graphs=True), checked before the engine is built; after,
     its decode steps go through CUDA graphs (vLLM records them unless
     enforce_eager=True)."""
-    if not isinstance(on, bool):
+    if on is not None and not isinstance(on, bool):  # None: left out
         raise ValueError(f"cuda_graphs={on!r}: must be True or False")
     return enable_cuda_graphs if on else (lambda engine: None)
 
@@ -362,13 +363,14 @@ def enable_compiled_decode(engine, buckets: list[int] | None = None,
     runner = CompiledRunner(old.model, old.kv, buckets, spans, freezing)
     runner.generators = old.generators  # requests added already keep theirs
     runner.default_generator = old.default_generator
+    runner.logits_processors = old.logits_processors
     engine.runner = runner
     return runner
 
 
-def compile_decode_option(on: bool):
+def compile_decode_option(on: bool | None):
     """LLMEngine(..., compile_decode=True): decode through compiled steps."""
-    if not isinstance(on, bool):
+    if on is not None and not isinstance(on, bool):  # None: left out
         raise ValueError(f"compile_decode={on!r}: must be True or False")
     return enable_compiled_decode if on else (lambda engine: None)
 

@@ -18,8 +18,8 @@ from ..kv.base import make_kv
 from ..sampling import SamplingParams
 from ..sequence import Sequence
 
-ENGINE_OPTIONS: dict = {}  # an option a later chapter adds -> check(value), which
-#                            returns apply(engine) (chapter 7: cuda_graphs=True)
+ENGINE_OPTIONS: dict = {}  # an option a later chapter adds -> check(value or None),
+#                  which returns apply(engine) (chapter 7: cuda_graphs=True)
 
 
 def check_engine_args(model, tokenizer, max_num_seqs, max_num_batched_tokens,
@@ -73,8 +73,8 @@ class LLMEngine:
         max_model_len, max_num_batched_tokens = check_engine_args(
             model, tokenizer, max_num_seqs, max_num_batched_tokens, max_model_len,
             policy)
-        later = [ENGINE_OPTIONS[k](options.pop(k)) for k in list(options)
-                 if k in ENGINE_OPTIONS]  # checked now, applied at the end
+        later = [check(options.pop(name, None))  # None: the option was left out
+                 for name, check in ENGINE_OPTIONS.items()]  # checked now, applied
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_model_len = max_model_len
         self.kv, scheduler = make_kv(kv_cache, options, model, max_num_seqs,

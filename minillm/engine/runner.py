@@ -23,6 +23,7 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.generators: dict[str, torch.Generator | None] = {}
         self.default_generator = None  # unseeded requests: torch's global one
+        self.logits_processors = [block_early_stop]  # (logits, seqs) -> logits
 
     def add(self, seq: Sequence) -> None:
         """Each request draws from its own generator: its seed, its tokens."""
@@ -207,7 +208,8 @@ def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:
     id, or (id, {id: Logprob}) for a request that asked for logprobs. A row that
     cannot be sampled gets the ValueError that says why, in its place: its request
     ends with that error, the others keep their tokens."""
-    logits = block_early_stop(logits, seqs)  # min_tokens
+    for process in self.logits_processors:  # min_tokens (later chapters: more)
+        logits = process(logits, seqs)
     params = [s.params for s in seqs]
     generators = [self.generators.get(s.request_id) for s in seqs]
     history, outputs = self._seen_ids(seqs)  # for penalties: the ids seen

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling import NonFiniteLogitsError
-from ..sequence import Sequence, block_early_stop
+from ..sequence import Sequence
 from .proposers import Drafted
 from .rejection import rejection_sample, sampling_probs
 
@@ -136,7 +136,8 @@ SpeculativeRunner.verify = _verify
 def _accept(self, seq: Sequence, draft: list[int], q, logits: torch.Tensor):
     """The rejection sampler over one request's k + 1 rows of logits."""
     views = [Drafted(seq, draft[:j]) for j in range(len(draft) + 1)]
-    logits = block_early_stop(logits, views)  # min_tokens
+    for process in self.base.logits_processors:  # min_tokens, ... on each view
+        logits = process(logits, views)
     if not bool(torch.isfinite(logits.amax(-1)).all()):
         return NonFiniteLogitsError(f"request {seq.request_id!r}: the model gave "
                                     "NaN or inf logits")
