@@ -17,7 +17,8 @@ COMMANDS = {  # name -> (module, its function of argv that returns the status, h
               "run one of the book's benchmarks: bench NAME (bench --help lists them)"),
 }
 EXTENSIONS = {  # what later chapters add to a command: imported before it runs
-    "serve": ("minillm.spec.serve",),  # chapter 10: --speculative-config, its metrics
+    "serve": ("minillm.spec.serve",  # chapter 10: --speculative-config, its metrics
+              "minillm.structured.serve"),  # chapter 11: response_format
 }
 
 

@@ -1,6 +1,6 @@
 """Draw the "you are here" map of the engine that opens every chapter.
 
-    python tools/engine_map.py            # write book/figures/engine_map_00.svg ... _10.svg
+    python tools/engine_map.py            # write book/figures/engine_map_00.svg ... _11.svg
     python tools/engine_map.py --check    # fail if a committed map differs from a fresh one
 
 One drawing of the engine's data flow (text -> tokenizer -> prompt ids -> scheduler ->
@@ -38,6 +38,7 @@ TITLES = {
     8: "Troubleshooting",
     9: "Serving",
     10: "Speculative decoding",
+    11: "Structured output",
 }
 
 WIDTH, HEIGHT = 10.0, 5.3  # inches; one data unit is one inch
@@ -91,6 +92,7 @@ HIGHLIGHT[0] = {"text_in", "encode", "prompt", "scheduler", "model", "attention"
 HIGHLIGHT[8] = set()
 HIGHLIGHT[9] = {"text_in", "text_out"}  # and the server box drawn below them
 HIGHLIGHT[10] = set()  # its parts are drawn below the loop
+HIGHLIGHT[11] = set()  # the mask is drawn below the sampling box
 
 # Chapter 8 marks where each symptom of its troubleshooting table comes from.
 SYMPTOMS = [  # (text, x, y) of the tag's centre
@@ -200,6 +202,17 @@ def draw(chapter: int) -> plt.Figure:
                 ha="center", va="center",
                 fontsize=FONT, color=HI_TEXT, fontweight="bold", zorder=3, gid="proposer")
         ax.add_patch(FancyArrowPatch((6.75, 1.805), (7.6, ROW_B), arrowstyle="-|>",
+                                     mutation_scale=13, lw=1.3, color=ARROW, zorder=4,
+                                     connectionstyle="arc3,rad=0.25"))
+
+    if chapter == 11:  # a grammar's mask on the logits, before sampling
+        ax.add_patch(FancyBboxPatch((0.15, 1.58), 5.20, 0.45,
+                                    boxstyle="round,pad=0,rounding_size=0.1", fc=HI_FILL,
+                                    ec=HI_EDGE, lw=2.2, gid="box-mask", zorder=2))
+        ax.text(2.75, 1.805, "grammar → matcher → token bitmask (−∞)",
+                ha="center", va="center",
+                fontsize=FONT, color=HI_TEXT, fontweight="bold", zorder=3, gid="mask")
+        ax.add_patch(FancyArrowPatch((5.35, 1.805), (5.95, ROW_B), arrowstyle="-|>",
                                      mutation_scale=13, lw=1.3, color=ARROW, zorder=4,
                                      connectionstyle="arc3,rad=0.25"))
 

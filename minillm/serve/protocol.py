@@ -34,9 +34,9 @@ def bad_request(error: ValueError, names: dict | None = None) -> APIError:
     return APIError(400, str(error), param=(names or {}).get(field, field))
 
 # %% auto #0
-__all__ = ['SAMPLING_FIELDS', 'MAX_API_TEMPERATURE', 'OFF', 'APIError', 'bad_request', 'StreamOptions', 'CommonRequest',
-           'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'api_logit_bias', 'check_request',
-           'TokenizeRequest', 'DetokenizeRequest']
+__all__ = ['SAMPLING_FIELDS', 'REQUEST_FIELDS', 'MAX_API_TEMPERATURE', 'OFF', 'APIError', 'bad_request', 'StreamOptions',
+           'CommonRequest', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'api_logit_bias',
+           'check_request', 'TokenizeRequest', 'DetokenizeRequest']
 
 # %% ../../chapters/09_serving.ipynb #s11-requests
 class StreamOptions(BaseModel):
@@ -48,6 +48,8 @@ SAMPLING_FIELDS = (  # the request fields that SamplingParams takes as they are
     "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
     "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output")
+REQUEST_FIELDS: dict = {}  # a later chapter's request field -> to_params(value), which
+#                            returns {SamplingParams keyword: value} (chapter 11)
 
 
 class CommonRequest(BaseModel):
@@ -94,9 +96,13 @@ class CommonRequest(BaseModel):
         values = {f: getattr(self, f) for f in SAMPLING_FIELDS}
         values["logit_bias"] = api_logit_bias(self.logit_bias)  # "50" -> 50
         values["prompt_logprobs"] = getattr(self, "prompt_logprobs", None)
+        for name, to_params in REQUEST_FIELDS.items():  # later chapters' fields
+            if getattr(self, name, None) is not None:
+                values.update(to_params(getattr(self, name)))
+        import minillm  # the front door's SamplingParams: every chapter's fields
         try:
-            return SamplingParams(**values, max_tokens=max_tokens,
-                                  logprobs=logprobs)
+            return minillm.SamplingParams(**values, max_tokens=max_tokens,
+                                          logprobs=logprobs)
         except ValueError as e:
             raise bad_request(e, names) from None
 
