@@ -63,8 +63,9 @@ class XGrammarBackend:
                 return c.compile_grammar("root ::= " + rule)
             return c.compile_grammar(value)
         except Exception as e:  # xgrammar's RuntimeError and its own error classes
+            why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())  # [time] file:
             raise ValueError(f"structured_outputs {so.kind}: xgrammar cannot compile "
-                             f"it: {str(e).strip()[:300]}") from None
+                             f"it: {why[:300]}") from None
 
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)

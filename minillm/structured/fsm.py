@@ -83,8 +83,11 @@ def parse_regex(pattern: str):
         pos += 1
         return frozenset(ANY - found if negate else found)
 
-    def literal(c: str):
-        return ("cat", [("set", frozenset([b])) for b in c.encode("utf-8")])
+    def literal(c: str):  # a character: its UTF-8 bytes in a row
+        data = c.encode("utf-8")
+        if len(data) == 1:
+            return ("set", frozenset(data))
+        return ("cat", [("set", frozenset([b])) for b in data])
 
     def atom():
         nonlocal pos
