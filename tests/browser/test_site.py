@@ -1,8 +1,10 @@
 """The website as a reader meets it, checked in headless Chromium (`make site`, then
 `make browser`): every page of the built site is opened and checked for broken internal
 links, images that do not load, content wider than the page's column, raw error output,
-JavaScript errors, the Colab launch button on every chapter, and chapter 0's memory
-calculator against the cases its notebook computed with the Python function."""
+JavaScript errors, figures shown smaller than they were drawn, machine paths and object
+reprs in outputs, text tables that do not fit their box, the Colab launch button on every
+chapter, and chapter 0's memory calculator against the cases its notebook computed with the
+Python function."""
 from __future__ import annotations
 
 import json
@@ -28,6 +30,12 @@ CHAPTERS = sorted(p.stem for p in (ROOT / "chapters").glob("*.ipynb"))
 REFRESH = re.compile(r'<meta[^>]+http-equiv="refresh"[^>]+content="\d+;\s*url=([^"]+)"', re.I)
 ERROR_SELECTOR = (".output.stderr, .output.traceback, .output.error, .system-message, "
                   ".problematic, .cell_output .stderr")
+# A figure drawn at the column's width (about 7 inches at 100 dpi) is shown at its own
+# size; one drawn 12 inches wide is shrunk to about half, and its 10-point labels with it.
+MIN_FIGURE_SCALE = 0.8
+# What an output must not show: a path of the machine that built the site, or the repr
+# of a Python object (its memory address): noise to a reader, different on every build.
+MACHINE_TEXT = r"(?:/(?:tmp|work|home|root)/|site-packages|<[^<>\n]{1,120} at 0x[0-9a-fA-F]+>)"
 
 # One pass over a loaded page collects everything the tests below look at.
 COLLECT = """
@@ -101,10 +109,66 @@ async () => {
                                `in ${el.clientWidth} px)`});
     }
   }
+  // figures in outputs shown below MIN_FIGURE_SCALE of the size they were drawn at
+  const outputs = [...article.querySelectorAll('div.cell_output')];
+  const shrunk = [];
+  for (const out of outputs) {
+    for (const img of out.querySelectorAll('img')) {
+      const r = img.getBoundingClientRect();
+      if (!img.naturalWidth || r.width <= 1) continue;  // broken or hidden: other checks
+      const scale = r.width / img.naturalWidth;
+      if (scale < %(min_scale)s) {
+        shrunk.push(`${(img.getAttribute('src') || '').slice(0, 40)}: drawn ` +
+                    `${img.naturalWidth} px wide, shown at ${Math.round(r.width)} px ` +
+                    `(${scale.toFixed(2)} of its size)`);
+      }
+    }
+  }
+  // machine paths and object reprs in the text of outputs
+  const machine = new RegExp(%(machine)s, 'g');
+  const noise = [];
+  for (const out of outputs) {
+    const text = out.innerText || out.textContent || '';
+    for (const m of text.matchAll(machine)) {
+      const around = text.slice(Math.max(0, m.index - 30), m.index + m[0].length + 30);
+      noise.push(`${m[0]} in "${around.replace(/\\s+/g, ' ').trim()}"`);
+    }
+  }
+  // text tables: a plain-text output with rows of three or more columns (fields apart by
+  // two or more spaces, or a tab); a row wider than its box wraps (or scrolls), and the
+  // columns no longer line up. Widths are measured with the block's own font.
+  const canvas = document.createElement('canvas').getContext('2d');
+  const wrappedTables = [];
+  for (const out of outputs) {
+    for (const pre of out.querySelectorAll('pre')) {
+      if (pre.closest('table')) continue;
+      const r = pre.getBoundingClientRect();
+      if (r.width <= 1 || r.height <= 1) continue;
+      const style = getComputedStyle(pre);
+      const box = pre.clientWidth - parseFloat(style.paddingLeft) -
+                  parseFloat(style.paddingRight);
+      canvas.font = `${style.fontStyle} ${style.fontWeight} ${style.fontSize} ` +
+                    style.fontFamily;
+      const rows = (pre.textContent || '').split('\\n')
+        .filter(line => line.trim().split(/ {2,}|\\t/).length >= 3);
+      if (rows.length < 2) continue;  // one line with wide gaps is not a table
+      const wide = rows.filter(line => canvas.measureText(line.replace(/\\t/g, '        '))
+                                           .width > box + 1);
+      if (wide.length) {
+        const widest = Math.max(...wide.map(l => canvas.measureText(l).width));
+        wrappedTables.push(`${describe(pre)} (${wide.length} of ${rows.length} table ` +
+                           `rows wider than the box: ${Math.round(widest)} px of text ` +
+                           `in ${Math.round(box)} px)`);
+      }
+    }
+  }
   // formulas: MathJax replaces each \\( ... \\) with its rendering
   const rawMath = [...article.querySelectorAll('span.math, div.math')]
     .filter(m => /\\\\[(\\[]/.test(m.textContent)).map(describe);
   return {
+    shrunk: shrunk.slice(0, 20),
+    noise: noise.slice(0, 20),
+    wrappedTables: wrappedTables.slice(0, 20),
     widgets: article.querySelectorAll(
       'script[type="application/vnd.jupyter.widget-view+json"]').length,
     rawMath: rawMath.slice(0, 10),
@@ -121,11 +185,12 @@ async () => {
     pageWidth: document.documentElement.scrollWidth,
     viewport: window.innerWidth,
     overflow: overflow.slice(0, 15),
-    errors: [...article.querySelectorAll(%r)].map(describe).slice(0, 10),
+    errors: [...article.querySelectorAll(%(errors)r)].map(describe).slice(0, 10),
     tracebacks: (article.innerText.match(/Traceback \\(most recent call last\\)/g) || []).length,
   };
 }
-""" % ERROR_SELECTOR
+""" % {"errors": ERROR_SELECTOR, "min_scale": MIN_FIGURE_SCALE,
+       "machine": json.dumps(MACHINE_TEXT)}
 
 
 class Visits:
@@ -143,7 +208,7 @@ class Visits:
                 self.cache[rel] = {
                     "ids": [], "images": [], "overflow": [], "errors": [], "tracebacks": 0,
                     "sideways": [], "sidewaysCount": 0, "rawMath": [], "mathCount": 0,
-                    "widgets": 0,
+                    "widgets": 0, "shrunk": [], "noise": [], "wrappedTables": [],
                     "js_errors": [], "pageWidth": 0, "viewport": 0,
                     "links": [{"href": urljoin(self.base_url + rel, href), "raw": href,
                                "text": "redirect"}]}
@@ -247,6 +312,37 @@ def test_no_error_output_on_the_page(rel, visit):
     assert not info["errors"], f"{rel}: error or stderr output shown: {info['errors']}"
     assert info["tracebacks"] == 0, f"{rel}: a traceback is shown on the page"
     assert not info["js_errors"], f"{rel}: JavaScript errors: {info['js_errors']}"
+
+
+@pytest.mark.parametrize("rel", PAGES)
+def test_figures_are_shown_at_the_size_they_were_drawn(rel, visit):
+    """A figure drawn wider than the column is shrunk to fit it, and its labels with it:
+    drawn 12 inches wide (1,200 px) into a column of about 690 px, a 10-point label is
+    about 8 px tall on the page. Figures are drawn at the column's width (about 7 inches),
+    so each is shown at 0.8 of its size or more."""
+    info = visit(rel)
+    assert not info["shrunk"], ("{}: figures shown below {} of the size they were drawn "
+                                "at (draw them about 7 inches wide):\n{}".format(
+                                    rel, MIN_FIGURE_SCALE, "\n".join(info["shrunk"])))
+
+
+@pytest.mark.parametrize("rel", PAGES)
+def test_no_machine_path_or_object_repr_in_an_output(rel, visit):
+    """Outputs show what a reader can use: no path of the machine that built the site
+    (/tmp/..., site-packages) and no `<object at 0x...>` repr."""
+    info = visit(rel)
+    assert not info["noise"], "{}: outputs show machine paths or object reprs:\n{}".format(
+        rel, "\n".join(info["noise"]))
+
+
+@pytest.mark.parametrize("rel", PAGES)
+def test_no_text_table_is_wider_than_its_box(rel, visit):
+    """A table printed as text wraps (or scrolls) when its rows are wider than the
+    column, and its columns no longer line up: show it as a DataFrame (an HTML table)
+    or print fewer columns."""
+    info = visit(rel)
+    assert not info["wrappedTables"], "{}: text tables wider than their box:\n{}".format(
+        rel, "\n".join(info["wrappedTables"]))
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
@@ -357,3 +453,45 @@ def test_error_and_image_checks_can_fail(context):
                             "<img src='data:image/png;base64,AAAA'>")
     assert info["errors"], "a stderr block was not reported"
     assert [img["ok"] for img in info["images"]] == [False], "a broken image passed"
+
+
+def test_figure_scale_check_can_fail(context):
+    drawn = ("<img src=\"data:image/svg+xml,<svg xmlns='http://www.w3.org/2000/svg' "
+             "width='500' height='40'/>\"")
+    shrunk = collect(context, f"<div class='cell_output'>{drawn} style='width: 250px'>"
+                              "</div>")
+    assert shrunk["shrunk"], "a figure shown at half its size passed"
+    full = collect(context, f"<div class='cell_output'>{drawn}></div>")
+    assert full["shrunk"] == [], "a figure shown at its own size was reported"
+    prose = collect(context, f"{drawn} style='width: 250px'>")
+    assert prose["shrunk"] == [], "an image outside an output was reported"
+
+
+def test_machine_path_and_repr_checks_can_fail(context):
+    for text in ("/tmp/int8-load-x1y2/big", "/work/main/data/model",
+                 "/root/.cache/huggingface/hub", "lib/python3.11/site-packages/torch",
+                 "&lt;torch._C.Generator at 0x7f3a2c1b9e10&gt;"):
+        info = collect(context, f"<div class='cell_output'><pre>{text}</pre></div>")
+        assert info["noise"], f"an output showing {text!r} passed"
+    clean = collect(context, "<div class='cell_output'><pre>data/tiny-shakespeare: "
+                             "6.3 M parameters, x &lt; 0x10</pre></div>"
+                             "<p>The cache lives in /tmp/ on Linux.</p>")
+    assert clean["noise"] == [], f"a clean output (or prose) was reported: {clean['noise']}"
+
+
+def test_text_table_check_can_fail(context):
+    def pre(rows, width=12):
+        lines = ["  ".join(f"{c:>{width}}" for c in row) for row in rows]
+        return ("<div class='cell_output'><pre style='white-space: pre-wrap; "
+                "font-family: monospace'>" + "\n".join(lines) + "</pre></div>")
+    header = ["op", "calls", "self CPU", "CPU total", "self CPU %", "CPU time avg",
+              "input shapes"]
+    wide = pre([header] + [[f"aten::mm{i}", "40", "1.2ms", "2.4ms", "30%", "60us",
+                            "[[8, 256], [256, 768]]"] for i in range(3)], width=16)
+    assert collect(context, wide)["wrappedTables"], "a wrapped text table passed"
+    narrow = pre([["mode", "ms", "x float"], ["w8a16", "3.1", "1.3"],
+                  ["w8a8", "4.9", "0.8"]], width=6)
+    assert collect(context, narrow)["wrappedTables"] == [], "a table that fits was reported"
+    prose = ("<div class='cell_output'><pre style='white-space: pre-wrap'>" +
+             "a long line of generated text, " * 12 + "</pre></div>")
+    assert collect(context, prose)["wrappedTables"] == [], "wrapped prose was reported"
