@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import heapq
 import json
+import os
 import unicodedata
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -94,6 +95,14 @@ def _index_pairs(words: list[list[int]], freqs: list[int]):
             where[pair].add(i)
     return pair_counts, where
 
+# %% ../chapters/01_tokenizer.ipynb #c019-bar
+def _progress(items, desc: str, show: bool):
+    """`items` with tqdm's progress bar when `show`, unless TQDM_DISABLE is set (the
+    book's website is built with it; tqdm's notebook bar would ignore it)."""
+    if not show or os.environ.get("TQDM_DISABLE", "") not in ("", "0"):
+        return items
+    return tqdm(items, desc=desc)
+
 # %% ../chapters/01_tokenizer.ipynb #c019b
 def learn_merges(word_counts: dict[bytes, int], num_merges: int, first_id: int = 256,
                  progress: bool = True) -> list[tuple[int, int]]:
@@ -106,7 +115,7 @@ def learn_merges(word_counts: dict[bytes, int], num_merges: int, first_id: int =
     heapq.heapify(heap)
     merges: list[tuple[int, int]] = []
     new_ids = range(first_id, first_id + num_merges)
-    for new_id in tqdm(new_ids, desc="BPE merges", disable=not progress):
+    for new_id in _progress(new_ids, "BPE merges", progress):
         while heap:  # pop until we find an entry whose count is still current
             neg_count, pair = heapq.heappop(heap)
             if pair_counts.get(pair, 0) == -neg_count:
@@ -704,7 +713,7 @@ def _train(cls, texts: Iterable[str], vocab_size: int,
     compiled = _check_train_args(special_tokens, (bos_token, eos_token, pad_token),
                                  vocab_size, pattern)
     counts: Counter[str] = Counter()
-    for text in tqdm(texts, desc="pre-tokenizing", disable=not progress):
+    for text in _progress(texts, "pre-tokenizing", progress):
         if not isinstance(text, str):
             raise TokenizerInputError(f"train() needs str texts, got "
                                       f"{type(text).__name__}")

@@ -62,5 +62,14 @@ def bundled_model_path() -> Path:
     """The tiny Shakespeare model that ships with the book (Hugging Face format)."""
     return repo_root() / "data" / "tiny-shakespeare"
 
+
+def short_path(path: str | Path) -> str:
+    """A path as the book prints it: relative to the repository when it is inside it,
+    else only its last part (a temporary or cache folder says nothing to a reader)."""
+    path = Path(path).resolve()
+    if path.is_relative_to(repo_root()):
+        return path.relative_to(repo_root()).as_posix()
+    return path.name
+
 # %% auto #0
-__all__ = ['pick_device', 'synchronize', 'repo_root', 'bundled_model_path']
+__all__ = ['pick_device', 'synchronize', 'repo_root', 'bundled_model_path', 'short_path']

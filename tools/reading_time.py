@@ -1,0 +1,146 @@
+"""How long a chapter takes to read: prose at 200 words a minute, plus the code a reader
+sees on the website at 10 lines a minute, rounded up to 5 minutes.
+
+    python tools/reading_time.py                       a table for every chapter
+    python tools/reading_time.py chapters/03_kv_cache.ipynb ...
+    python tools/reading_time.py --stamp chapters/03_kv_cache.ipynb --run-minutes 4
+        writes (or updates) the chapter's line "*Reading time: about N minutes; running
+        it: about M minutes on a laptop CPU.*" under the title of its first cell
+
+Visible code is every code cell not tagged hide-input, hide-cell, remove-cell or
+remove-input (the rule of tests/test_notebooks.py). The reading-time line itself is not
+counted, so stamping a chapter does not change its figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS_PER_MINUTE = 200
+CODE_LINES_PER_MINUTE = 10
+ROUND_TO = 5  # minutes
+WORD = re.compile(r"\w[\w'’.,:/-]*")  # a word: no table bars, bullets or rules
+HIDDEN_TAGS = {"hide-input", "hide-cell", "remove-cell", "remove-input"}
+LINE = re.compile(r"^\*Reading time: about (\d+) minutes; running it: about (\d+) "
+                  r"minutes? on a laptop CPU\.\*[ \t]*$", re.M)
+
+
+def _source(cell: dict) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def _visible(cell: dict) -> bool:
+    return not HIDDEN_TAGS & set(cell.get("metadata", {}).get("tags", []))
+
+
+def counts(nb: dict) -> dict[str, int]:
+    """Words of prose, visible code lines, and the visible lines of exported code."""
+    words = code = engine = 0
+    for cell in nb["cells"]:
+        text = _source(cell)
+        if cell["cell_type"] == "markdown":
+            words += len(WORD.findall(LINE.sub("", text)))
+        elif cell["cell_type"] == "code" and _visible(cell):
+            lines = len(text.splitlines())
+            code += lines
+            if re.search(r"^\s*#\s*\|\s*export", text, re.M):
+                engine += lines
+    return {"words": words, "code_lines": code, "engine_lines": engine}
+
+
+def minutes(words: int, code_lines: int) -> int:
+    """Reading minutes, rounded up to ROUND_TO (at least ROUND_TO)."""
+    raw = words / WORDS_PER_MINUTE + code_lines / CODE_LINES_PER_MINUTE
+    return max(ROUND_TO, math.ceil(raw / ROUND_TO - 1e-9) * ROUND_TO)
+
+
+def load(path: Path) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def reading_minutes(path: Path) -> int:
+    c = counts(load(path))
+    return minutes(c["words"], c["code_lines"])
+
+
+def stated(path: Path) -> tuple[int, int] | None:
+    """(reading, running) minutes as the chapter's first markdown cell states them."""
+    first = next((c for c in load(path)["cells"] if c["cell_type"] == "markdown"), None)
+    m = LINE.search(_source(first)) if first else None
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def line(read: int, run: int) -> str:
+    unit = "minute" if run == 1 else "minutes"
+    return (f"*Reading time: about {read} minutes; running it: about {run} {unit} "
+            "on a laptop CPU.*")
+
+
+def stamp(path: Path, run_minutes: int) -> str:
+    """Write the reading-time line into the chapter's first markdown cell: replace the
+    line if it is there, else put it right under the title (the cell's first line)."""
+    nb = load(path)
+    cell = next(c for c in nb["cells"] if c["cell_type"] == "markdown")
+    new = line(reading_minutes(path), run_minutes)
+    text = _source(cell)
+    if LINE.search(text):
+        text = LINE.sub(new, text, count=1)
+    else:
+        title, _, rest = text.partition("\n")
+        text = f"{title}\n\n{new}\n" + ("\n" + rest.lstrip("\n") if rest.strip() else "")
+    cell["source"] = text.rstrip("\n").splitlines(keepends=True)
+    Path(path).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n",
+                          encoding="utf-8")
+    return new
+
+
+def table(paths: list[Path]) -> str:
+    rows, total = [], {"words": 0, "code_lines": 0, "engine_lines": 0, "minutes": 0}
+    for p in paths:
+        c = counts(load(p))
+        m = minutes(c["words"], c["code_lines"])
+        s = stated(p)
+        rows.append((p.stem, c["words"], c["code_lines"], c["engine_lines"], m,
+                     "" if s is None else f"{s[0]} / {s[1]}"))
+        for k in ("words", "code_lines", "engine_lines"):
+            total[k] += c[k]
+        total["minutes"] += m
+    head = ("chapter", "words", "code lines", "engine lines", "minutes",
+            "stated (read / run)")
+    out = [f"{head[0]:28} {head[1]:>7} {head[2]:>10} {head[3]:>12} {head[4]:>7}  "
+           f"{head[5]}"]
+    for r in rows:
+        out.append(f"{r[0]:28} {r[1]:7,} {r[2]:10,} {r[3]:12,} {r[4]:7}  {r[5]}")
+    out.append(f"{'total':28} {total['words']:7,} {total['code_lines']:10,} "
+               f"{total['engine_lines']:12,} {total['minutes']:7}  "
+               f"({total['minutes'] / 60:.1f} hours)")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*", type=Path)
+    parser.add_argument("--stamp", action="store_true",
+                        help="write the reading-time line into the given chapters")
+    parser.add_argument("--run-minutes", type=int,
+                        help="with --stamp: minutes the chapter takes to run on a CPU")
+    args = parser.parse_args(argv)
+    paths = args.notebooks or sorted((ROOT / "chapters").glob("*.ipynb"))
+    if args.stamp:
+        if not args.notebooks or args.run_minutes is None or args.run_minutes < 1:
+            parser.error("--stamp needs notebooks and --run-minutes N (N >= 1)")
+        for p in paths:
+            print(f"{p.name}: {stamp(p, args.run_minutes)}")
+        return 0
+    print(table(paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
