@@ -257,3 +257,18 @@ def test_solutions_are_code_and_hidden_with_their_output(path):
             assert "assert" in "".join(c["source"]), f"{c['id']}: a test that asserts"
     assert any("assert" in "".join(c["source"]) for c in cells), \
         f"{path.name}: no solution asserts its answer"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_solution_toggles_say_what_they_hide(path):
+    """Issue 42: MyST-NB labels a folded cell "Show code cell content"; a solution's
+    toggle says "Solution" (cell metadata mystnb.code_prompt_show), and every chapter
+    has an exercise that asks for a function, with a test cell that checks it."""
+    cells = exercise_cells(path)
+    folded = [c for c in cells if "hide-cell" in c.get("metadata", {}).get("tags", [])]
+    unlabelled = [c["id"] for c in folded
+                  if not c["metadata"].get("mystnb", {}).get("code_prompt_show")]
+    assert not unlabelled, f"{path.name}: solution toggles without a label: {unlabelled}"
+    assert any(c["metadata"]["mystnb"]["code_prompt_show"] == "Solution" for c in folded)
+    assert any("exercise-test" in c.get("metadata", {}).get("tags", []) for c in cells), \
+        f"{path.name}: no exercise asks the reader to write a function (exercise-test)"
