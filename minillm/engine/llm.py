@@ -147,10 +147,14 @@ class LLM:
 # %% ../../chapters/04_continuous_batching.ipynb #c45e-llm
 def _run(self, ids: list[str], use_tqdm: bool,
          prompts: list) -> list[RequestOutput]:
+    import os
+
     from tqdm.auto import tqdm
     engine = self.engine
     todo = set(ids)  # until these finish; other requests (streams) go along
-    bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm)
+    # the book's website sets TQDM_DISABLE, which tqdm's notebook bar ignores
+    hide = not use_tqdm or os.environ.get("TQDM_DISABLE", "") not in ("", "0")
+    bar = tqdm(total=len(ids), desc="requests", unit="req", disable=hide)
     try:
         while todo:
             engine.step()
