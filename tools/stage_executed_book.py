@@ -11,9 +11,9 @@ for Jupyter Book to --out:
 - chapters/*.ipynb: the source notebooks with the outputs of the copies (and what executing
   adds to a notebook's metadata: language_info, which picks the code highlighting). Widgets
   become text: a static page has no kernel, and their renderer would come from a CDN (the site
-  is read offline too), so each would leave a blank gap. A progress bar becomes its final
-  line ("timing: 100%|██████████| 5/5 [00:01<00:00]"); any other widget shows what its Output
-  widgets hold, after a line that says the widget is interactive in the notebook;
+  is read offline too), so each would leave a blank gap. A progress bar is dropped (it says
+  nothing once the work is done); any other widget shows what its Output widgets hold, after
+  a line that says the widget is interactive in the notebook;
 - _config.yml: the book's, with execute_notebooks "off" (the outputs are there already);
 - everything else at the top of the repository (_toc.yml, book/, data/, ...; not .venv or
   _build): symbolic links into it, so that relative links such as
@@ -100,14 +100,11 @@ def widgets_as_text(nb) -> int:
                 continue
             replaced += 1
             model_id = view.get("model_id", "")
-            line = progress_line(state, model_id)
-            if line is None:
-                outputs.append(nbformat.v4.new_output("stream", name="stdout",
-                                                      text=INTERACTIVE + "\n"))
-                outputs += [nbformat.from_dict(o) for o in _outputs_inside(state, model_id)]
-            else:
-                outputs.append(nbformat.v4.new_output("stream", name="stdout",
-                                                      text=line + "\n"))
+            if progress_line(state, model_id) is not None:
+                continue  # a progress bar: noise on a static page (issue 42), dropped
+            outputs.append(nbformat.v4.new_output("stream", name="stdout",
+                                                  text=INTERACTIVE + "\n"))
+            outputs += [nbformat.from_dict(o) for o in _outputs_inside(state, model_id)]
         cell.outputs = outputs
     nb.metadata.pop("widgets", None)
     return replaced
