@@ -135,7 +135,8 @@ BENCHMARKS = {"kv": "naive loop vs KV cache vs transformers (chapter 3)",
               "paged": "slots against paged KV memory, same budget (chapter 6)",
               "decode": "decode speed, every way (chapter 7)",
               "article": "the article's task: 7B, INT8, 8 GB, 200 ms (chapter 7)",
-              "spec": "speculative decoding: drafts, acceptance, speed (chapter 10)"}
+              "spec": "speculative decoding: drafts, acceptance, speed (chapter 10)",
+              "structured": "structured output: parse rates, mask cost (chapter 11)"}
 
 
 def dispatch(argv: list[str] | None = None) -> int:

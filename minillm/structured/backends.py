@@ -54,8 +54,8 @@ class XGrammarBackend:
         try:
             if so.kind == "json":
                 return c.compile_json_schema(json.dumps(value), any_whitespace=False)
-            if so.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if so.kind == "json_object":  # any object; laid out as the model likes
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=True)
             if so.kind == "regex":
                 return c.compile_regex(value)
             if so.kind == "choice":  # an EBNF rule of JSON-escaped literals

@@ -14,7 +14,7 @@ ANY = frozenset(range(256))  # every byte
 MAX_NFA_STATES, MAX_DFA_STATES = 20_000, 5_000  # bounded work per grammar
 
 # %% auto #0
-__all__ = ['ANY', 'MAX_NFA_STATES', 'MAX_DFA_STATES', 'CLASSES', 'SIMPLE', 'WS', 'STRING', 'INTEGER', 'NUMBER', 'SCALARS',
+__all__ = ['ANY', 'MAX_NFA_STATES', 'MAX_DFA_STATES', 'CLASSES', 'SIMPLE', 'WS', 'CHAR', 'STRING', 'INTEGER', 'NUMBER', 'SCALARS',
            'KEYWORDS', 'TYPES', 'parse_regex', 'NFA', 'DFA', 'closure', 'moves', 'token_groups', 'allowed_tokens',
            'pack_bits', 'FSMGrammar', 'FSMMatcher', 'schema_regex', 'check_schema_keys', 'array_regex']
 
@@ -55,6 +55,11 @@ def parse_regex(pattern: str):
             fail(f"the escape \\{c} is not supported")
         return c
 
+    def ascii_only(c: str) -> str:  # a class holds bytes: \\xHH for the others
+        if ord(c) > 127:
+            fail(f"{c!r} in a class (write a non-ASCII byte as \\\\xHH)")
+        return c
+
     def char_class():
         nonlocal pos
         negate = peek() == "^"
@@ -65,7 +70,7 @@ def parse_regex(pattern: str):
                 fail("an unclosed [")
             first, c = False, pattern[pos]
             pos += 1
-            lo = escape(True) if c == "\\" else c
+            lo = escape(True) if c == "\\" else ascii_only(c)
             if isinstance(lo, frozenset):
                 found |= lo
                 continue
@@ -74,11 +79,11 @@ def parse_regex(pattern: str):
                 pos += 1
                 c = pattern[pos]
                 pos += 1
-                hi = escape(True) if c == "\\" else c
+                hi = escape(True) if c == "\\" else ascii_only(c)
                 if isinstance(hi, frozenset):
                     fail("a range ends in a class")
-            if ord(hi) > 127 or ord(lo) > ord(hi):
-                fail(f"the class range {lo!r}-{hi!r} (ASCII only, low to high)")
+            if ord(hi) > 255 or ord(lo) > ord(hi):
+                fail(f"the class range {lo!r}-{hi!r} (bytes, low to high)")
             found |= set(range(ord(lo), ord(hi) + 1))
         pos += 1
         return frozenset(ANY - found if negate else found)
@@ -306,7 +311,7 @@ def pack_bits(ids: list[int], vocab_size: int) -> torch.Tensor:
     """Token ids -> a bitmask: int32 [ceil(vocab_size / 32)], bit i % 32 of word
     i // 32 set when token i is allowed."""
     words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int64)
-    ids = torch.tensor(ids, dtype=torch.int64)
+    ids = torch.tensor(ids, dtype=torch.int64).unique()  # an id twice: one bit
     words.index_add_(0, ids // 32, torch.ones_like(ids) << (ids % 32))
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
@@ -350,6 +355,9 @@ class FSMMatcher:
         return after >= 0
 
     def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens < len(self.states):
+            raise ValueError(f"rollback({num_tokens}): {len(self.states) - 1} tokens "
+                             "to take back")
         if num_tokens:
             del self.states[-num_tokens:]
             self.ended = False
@@ -362,7 +370,10 @@ class FSMMatcher:
 
 # %% ../../chapters/11_structured_output.ipynb #s51-schema
 WS = "[ ]?"  # at most one space between the pieces
-STRING = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]){min,max}"'
+CHAR = (r'(?:[^"\\\x00-\x1f\x80-\xff]|[\xc2-\xdf][\x80-\xbf]'  # ASCII, or UTF-8:
+        r'|[\xe0-\xef][\x80-\xbf]{2}|[\xf0-\xf4][\x80-\xbf]{3}'  # 2 to 4 bytes
+        r'|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))')  # or an escape
+STRING = '"' + CHAR + '{min,max}"'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 SCALARS = {"integer": INTEGER, "number": NUMBER, "boolean": "(?:true|false)",
@@ -389,7 +400,8 @@ def schema_regex(schema, where: str = "schema") -> str:
         return STRING.replace("min", str(lo)).replace("max", str(hi))
     if kind == "array":
         return array_regex(schema, where)
-    parts = [f'"{re.escape(name)}"{WS}:{WS}' + schema_regex(sub, f"{where}.{name}")
+    parts = [re.escape(json.dumps(name)) + f"{WS}:{WS}" +
+             schema_regex(sub, f"{where}.{name}")
              for name, sub in schema["properties"].items()]
     return r"\{" + WS + f"{WS},{WS}".join(parts) + WS + r"\}"
 
@@ -408,6 +420,9 @@ def check_schema_keys(schema, where: str) -> None:
     if unsupported:
         raise ValueError(f"{where}: {unsupported} not supported by the hand-built "
                          "backend; use backend='xgrammar'")
+    for key in ("enum", "anyOf"):
+        if key in schema and not (isinstance(schema[key], list) and schema[key]):
+            raise ValueError(f"{where}: {key}={schema[key]!r:.40}; give a non-empty list")
     if "enum" in schema or "const" in schema or "anyOf" in schema:
         return
     kinds = schema.get("type")

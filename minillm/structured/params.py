@@ -44,7 +44,7 @@ class SamplingParams(sampling.SamplingParams):
     def __post_init__(self):
         super().__post_init__()  # chapter 2's checks
         object.__setattr__(self, "structured_outputs", as_structured_outputs(
-            self.structured_outputs, self.ignore_eos))
+            self.structured_outputs, self.ignore_eos, self.min_tokens))
 
 # %% ../../chapters/11_structured_output.ipynb #s22-checks
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -85,7 +85,8 @@ def check_structured_outputs(p: StructuredOutputsParams) -> None:
         raise ValueError(f"structured_outputs json_object={value!r}: give True")
 
 
-def as_structured_outputs(value, ignore_eos: bool) -> StructuredOutputsParams | None:
+def as_structured_outputs(value, ignore_eos: bool,
+                          min_tokens: int) -> StructuredOutputsParams | None:
     """The field as given: None, a StructuredOutputsParams, or a dict of its keys."""
     if value is None:
         return None
@@ -98,7 +99,8 @@ def as_structured_outputs(value, ignore_eos: bool) -> StructuredOutputsParams | 
     if not isinstance(value, StructuredOutputsParams):
         raise ValueError(f"structured_outputs={value!r:.60}: give a "
                          "StructuredOutputsParams or a dict such as {'regex': '...'}")
-    if ignore_eos:
-        raise ValueError("structured_outputs with ignore_eos=True: the answer ends "
-                         "where its grammar ends; leave ignore_eos out")
+    if ignore_eos or min_tokens:  # both would keep an answer past its grammar's end
+        what = "ignore_eos=True" if ignore_eos else f"min_tokens={min_tokens}"
+        raise ValueError(f"structured_outputs with {what}: the answer ends where its "
+                         "grammar ends; leave it out")
     return value
