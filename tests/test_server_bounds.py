@@ -235,7 +235,8 @@ def test_a_client_that_gives_up_leaves_no_traceback(served):
 UNSUPPORTED = [  # (endpoint, fields, the param the 400 names)
     ("completions", {"logit_bias": {"50": 101}}, "logit_bias"),  # OpenAI's [-100, 100]
     ("completions", {"best_of": 3}, "best_of"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "structural_tag"}}, "response_format"),  # ch. 11
+    # does json_object and json_schema (tests/test_structured_server.py)
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs=true

@@ -422,7 +422,8 @@ def check_schema_keys(schema, where: str) -> None:
                          "backend; use backend='xgrammar'")
     for key in ("enum", "anyOf"):
         if key in schema and not (isinstance(schema[key], list) and schema[key]):
-            raise ValueError(f"{where}: {key}={schema[key]!r:.40}; give a non-empty list")
+            raise ValueError(f"{where}: {key}={schema[key]!r:.40}; give a "
+                             "non-empty list")
     if "enum" in schema or "const" in schema or "anyOf" in schema:
         return
     kinds = schema.get("type")
