@@ -54,6 +54,28 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-csv", action="store_true", help="print the table only")
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model and --dtype: the commands that serve a real model (chapters 10, 11)."""
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="bundled, smollm2-135m-instruct, or a name LLM() takes")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32",
+                        "bfloat16", "float16"], help="auto: bfloat16 where the device "
+                        "has it fast (chapter 7's rule), else float32")
+
+
+def check_model_arguments(args: argparse.Namespace,
+                          device: torch.device) -> torch.dtype:
+    """--model (an unknown name: the error names the allowed ones) and --dtype, checked
+    before any work. Returns the dtype."""
+    from .folders import model_folder
+    model_folder(args.model)
+    if args.dtype == "auto":
+        from ..perf import cpu_bf16_speedup
+        fast = device.type == "cuda" or cpu_bf16_speedup() >= 1.3
+        return torch.bfloat16 if fast else torch.float32
+    return getattr(torch, args.dtype)
+
+
 def check_run_arguments(args: argparse.Namespace) -> torch.device:
     """--threads, --device and --out, checked before any work. Returns the device."""
     cpus = os.cpu_count() or 1

@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from .cli import BENCHMARKS, add_run_arguments, check_run_arguments, command
+from .cli import (BENCHMARKS, add_model_arguments, add_run_arguments,
+                  check_model_arguments, check_run_arguments, command)
 from .folders import model_folder
 from .measure import hardware_name
 from .results import file_stem, rows_table, write_csvs
@@ -149,11 +150,7 @@ def format_table(rows: list[dict]) -> str:
 def spec_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minillm.bench spec",
                                 description=BENCHMARKS["spec"])
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="bundled, smollm2-135m-instruct, or a name LLM() takes")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32",
-                   "bfloat16", "float16"], help="auto: bfloat16 where the device "
-                   "has it fast (chapter 7's rule), else float32")
+    add_model_arguments(p)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4],
@@ -176,12 +173,7 @@ def check_spec_args(args: argparse.Namespace) -> tuple:
         bad = [v for v in values if not low <= v <= high]
         if bad:
             raise ValueError(f"{name}={bad[0]}: allowed {low} to {high}")
-    model_folder(args.model)  # an unknown name: the error names the allowed ones
-    if args.dtype == "auto":
-        from ..perf import cpu_bf16_speedup
-        fast = device.type == "cuda" or cpu_bf16_speedup() >= 1.3
-        return device, torch.bfloat16 if fast else torch.float32
-    return device, getattr(torch, args.dtype)
+    return device, check_model_arguments(args, device)
 
 
 def _run(args, checked):

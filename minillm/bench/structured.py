@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from .cli import BENCHMARKS, add_run_arguments, check_run_arguments, command
+from .cli import (BENCHMARKS, add_model_arguments, add_run_arguments,
+                  check_model_arguments, check_run_arguments, command)
 from .folders import model_folder
 from .measure import hardware_name
 from .results import file_stem, rows_table, write_csvs
@@ -213,11 +214,7 @@ def format_table(rows: list[dict]) -> str:
 def structured_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minillm.bench structured",
                                 description=BENCHMARKS["structured"])
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="bundled, smollm2-135m-instruct, or a name LLM() takes")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32",
-                   "bfloat16", "float16"], help="auto: bfloat16 where the device "
-                   "has it fast (chapter 7's rule), else float32")
+    add_model_arguments(p)
     p.add_argument("--max-tokens", type=int, default=100,
                    help="max_tokens of the parse-rate answers")
     p.add_argument("--samples", type=int, default=4,
@@ -249,12 +246,7 @@ def check_structured_args(args: argparse.Namespace) -> tuple:
     if "xgrammar" in args.backends and not xgrammar_available():
         raise ValueError("--backends xgrammar: xgrammar is not installed "
                          "(pip install xgrammar), or give --backends minillm")
-    model_folder(args.model)  # an unknown name: the error names the allowed ones
-    if args.dtype == "auto":
-        from ..perf import cpu_bf16_speedup
-        fast = device.type == "cuda" or cpu_bf16_speedup() >= 1.3
-        return device, torch.bfloat16 if fast else torch.float32
-    return device, getattr(torch, args.dtype)
+    return device, check_model_arguments(args, device)
 
 
 def _run(args, checked):
