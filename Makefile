@@ -16,7 +16,7 @@ BOOK_ENV := TQDM_DISABLE=1
 JB      := $(BOOK_ENV) $(VENV)/bin/jupyter-book
 
 .PHONY: help install lock sandbox export clean-notebooks test unit nbval site site-from-nbval browser colab book \
-	book-strict lab figures model bench gpu-check clean setup-cells
+	book-strict lab figures model bench gpu-check gpu-wheels clean setup-cells
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -121,7 +121,7 @@ figures: $(STAMP)  ## redraw the "you are here" maps book/figures/engine_map_0N.
 model: $(STAMP)  ## re-train the bundled tiny Shakespeare model into data/tiny-shakespeare
 	$(PY) data/make_tiny_model.py
 
-bench: $(STAMP)  ## KV-cache (ch. 3), serving (ch. 4), INT8 (ch. 5), paged-KV (ch. 6) and decode (ch. 7) benchmarks; writes data/benchmarks/*.csv
+bench: $(STAMP)  ## KV-cache (ch. 3), serving (ch. 4), INT8 (ch. 5), paged-KV (ch. 6), decode (ch. 7), speculative (ch. 10) and structured-output (ch. 11) benchmarks; writes data/benchmarks/*.csv
 	$(PY) -m minillm.bench kv --model bundled --new-tokens 100 --prompt-tokens 256 --repeats 5 --threads 1 --out data/benchmarks
 	$(PY) -m minillm.bench kv --model smollm2-135m --new-tokens 100 --prompt-tokens 256 --repeats 3 --threads 1 --out data/benchmarks
 	$(PY) -m minillm.bench serving --model bundled --requests 64 --max-num-seqs 32 --threads 2 --out data/benchmarks
@@ -132,9 +132,14 @@ bench: $(STAMP)  ## KV-cache (ch. 3), serving (ch. 4), INT8 (ch. 5), paged-KV (c
 	$(PY) -m minillm.bench paged --model bundled --requests 48 --kv-positions 3072 --max-model-len 512 --shared-prefix 256 --prompt-tokens 8 32 --output-tokens 32 96 --rate 2 --threads 1 --out data/benchmarks
 	$(PY) -m minillm.bench decode --model bundled --batch 1 16 --threads 2 --out data/benchmarks
 	$(PY) -m minillm.bench decode --model SmolLM2-135M --batch 1 16 --repeats 2 --threads 2 --out data/benchmarks
+	$(PY) -m minillm.bench spec --model smollm2-135m-instruct --threads 1 --out data/benchmarks
+	$(PY) -m minillm.bench structured --model smollm2-135m-instruct --threads 1 --out data/benchmarks
 
 gpu-check:  ## the GPU checks, sized for 10 minutes (tools/gpu_check.sh; results in $$OUT); GPU_CHECK_DRY=1: a dry run here
 	tools/gpu_check.sh
+
+gpu-wheels:  ## the wheels an offline GPU machine lacks, into .whl/ (tools/gpu_wheels.sh; gpu-check installs them)
+	tools/gpu_wheels.sh
 
 clean:  ## remove build output (keeps .venv)
 	rm -rf _build .pytest_cache

@@ -101,7 +101,7 @@ SUPPORTED_ARCHITECTURES = {  # config.json "model_type" -> what the architecture
     "qwen3": {"qk_norm": True},                    # RMSNorm on each head of q and k
 }
 
-
+# %% ../chapters/02_naive_loop.ipynb #c011a
 @dataclass
 class ModelConfig:
     """The numbers that define a Llama-family Transformer (from an HF config.json)."""

@@ -27,8 +27,8 @@ def _check_positive(**values) -> None:
             raise ValueError(f"{name}={v!r}: must be a number > 0")
 
 # %% auto #0
-__all__ = ['GPU_PEAKS', 'AUTO_BF16_SPEEDUP', 'measure_bandwidth', 'decode_bytes', 'peak_for', 'mbu', 'quiet_native_stderr',
-           'cpu_bf16_speedup', 'cpu_auto_dtype']
+__all__ = ['GPU_PEAKS', 'KERNEL_LAUNCHES', 'AUTO_BF16_SPEEDUP', 'measure_bandwidth', 'decode_bytes', 'peak_for', 'mbu',
+           'quiet_native_stderr', 'launch_counts', 'cpu_bf16_speedup', 'cpu_auto_dtype']
 
 # %% ../chapters/07_performance.ipynb #c11-floors
 def measure_bandwidth(device, nbytes: int = 2**28, repeats: int = 10) -> float:
@@ -109,6 +109,21 @@ def quiet_native_stderr():
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+# %% ../chapters/07_performance.ipynb #c70c-profile
+# The CUDA functions that launch a kernel: the runtime's (PyTorch's own kernels, cuBLAS)
+# and the driver's (the Triton kernels that torch.compile writes).
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                   "cuLaunchKernelEx")
+
+
+def launch_counts(prof) -> dict:
+    """What a torch.profiler run saw: PyTorch operations (aten::...), kernel launches
+    and CUDA graph launches."""
+    counts = {e.key: e.count for e in prof.key_averages()}
+    return {"aten ops": sum(n for k, n in counts.items() if k.startswith("aten::")),
+            "kernel launches": sum(counts.get(k, 0) for k in KERNEL_LAUNCHES),
+            "graph launches": counts.get("cudaGraphLaunch", 0)}
 
 # %% ../chapters/07_performance.ipynb #c97r-auto-h
 import functools

@@ -40,6 +40,32 @@ def test_rows_ways_tokens_and_ratios(rows):
         assert "x_transformers" not in by[way, 3]
 
 
+def test_engine_ways_count_what_one_decode_step_runs(rows):
+    by = {(r["way"], r["batch"]): r for r in rows}
+    eager, graphs = by["engine (ch. 4, 6)", 1], by["engine + CUDA graphs (ch. 7)", 1]
+    for r in (eager, graphs):  # on a CPU: operations, no launches
+        assert r["aten_ops_per_step"] > 100
+        assert r["kernel_launches_per_step"] == r["graph_launches_per_step"] == 0
+    # no graph on a CPU: the same forward plus the copies into the static buffers
+    assert graphs["aten_ops_per_step"] > eager["aten_ops_per_step"]
+    for r in rows:  # the loops are not the engine; batch > 1: not profiled
+        if r["batch"] > 1 or "engine" not in r["way"]:
+            assert "aten_ops_per_step" not in r
+    assert "kernels" not in bench_perf.format_table(rows)
+
+
+def test_table_shows_the_kernel_launches_when_there_are_any(rows):
+    gpu = [dict(r) for r in rows]
+    for r, n in zip(gpu, (None, None, 600, 3, None, None)):
+        if n is not None:
+            r["kernel_launches_per_step"] = n
+    table = bench_perf.format_table(gpu).splitlines()
+    header = next(line for line in table if line.startswith("way"))
+    assert header.split()[-1] == "kernels"
+    engine_rows = [line.split()[-1] for line in table if "engine" in line]
+    assert engine_rows[:2] == ["600", "3"]
+
+
 def test_mbu_is_bytes_over_time_over_peak(rows):
     from minillm.loader import load_model
     from minillm.utils import bundled_model_path

@@ -38,8 +38,6 @@ def test_measure_bandwidth_is_a_positive_rate_and_refuses_bad_sizes():
 
 
 def test_decode_bytes_counts_weights_once_and_one_embedding_row(llama):
-    import torch
-
     from minillm.perf import decode_bytes
     from minillm.quant import quantize
     _, model = llama
@@ -91,3 +89,31 @@ def test_quiet_native_stderr_silences_fd_2_and_restores_it(capfd):
             raise RuntimeError("the descriptor comes back after an error too")
     os.write(2, b"back\n")
     assert capfd.readouterr().err == "back\n"
+
+
+def test_launch_counts_adds_every_launch_function_and_nothing_else():
+    from types import SimpleNamespace
+
+    from minillm.perf import KERNEL_LAUNCHES, launch_counts
+    events = [("aten::mm", 3), ("aten::add", 2), ("cudaLaunchKernel", 10),
+              ("cudaLaunchKernelExC", 4), ("cuLaunchKernel", 5),
+              ("cuLaunchKernelEx", 1),
+              ("cudaGraphLaunch", 1), ("cudaMemcpyAsync", 7), ("mm_kernel", 9)]
+    prof = SimpleNamespace(key_averages=lambda: [
+        SimpleNamespace(key=k, count=n) for k, n in events])
+    assert set(KERNEL_LAUNCHES) == {k for k, _ in events[2:6]}
+    assert launch_counts(prof) == {"aten ops": 5, "kernel launches": 20,
+                                   "graph launches": 1}
+
+
+def test_launch_counts_of_a_cpu_profile_has_ops_and_no_launches():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from minillm.perf import launch_counts, quiet_native_stderr
+    x = torch.randn(8, 8)
+    with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        (x @ x).relu().sum()
+    counts = launch_counts(prof)
+    assert counts["aten ops"] >= 3  # mm, relu, sum (and what they call)
+    assert counts["kernel launches"] == counts["graph launches"] == 0

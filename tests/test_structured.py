@@ -27,6 +27,7 @@ from minillm.structured import engine as so_engine
 from minillm.structured.backends import FSMBackend, XGrammarBackend, token_vocab
 from minillm.structured.engine import apply_bitmask, check_structured_outputs_config
 from minillm.structured.fsm import (DFA, MAX_DFA_STATES, FSMGrammar, FSMMatcher,
+                                    int_range_regex,
                                     allowed_tokens, pack_bits, parse_regex,
                                     schema_regex, token_groups)
 from minillm.structured.params import (MAX_CHOICES, MAX_SPEC_CHARS, SamplingParams,
@@ -135,6 +136,8 @@ SCHEMAS = {
     "const": {"const": "x\"y"},
     "anyOf": {"anyOf": [{"type": "integer"}, TEXT, {"type": "null"}]},
     "type list": {"type": ["boolean", "integer"]},
+    "bounded integer": {"type": "integer", "minimum": 5, "maximum": 123},
+    "bounded number": {"type": "number", "minimum": 0, "maximum": 10000},
     "nested": {"type": "object", "properties": {
         "name": TEXT, "tags": {"type": "array", "items": TEXT, "maxItems": 2},
         "inner": {"type": "object", "properties": {"n": {"type": "number"},
@@ -189,11 +192,15 @@ def test_schema_regex_agrees_with_jsonschema(name):
     dfa = DFA(schema_regex(schema))
     validator = jsonschema.Draft202012Validator(schema)
 
+    bounded = "maximum" in json.dumps(schema)
+
     def canonical(v) -> bool:  # what the subset writes: every property, in order
         if isinstance(v, dict):
             return all(canonical(x) for x in v.values())
         if isinstance(v, list):
             return all(canonical(x) for x in v)
+        if bounded and isinstance(v, float):  # at most 6 decimals, no exponent
+            return re.fullmatch(r"-?[0-9]+\.[0-9]{1,6}", json.dumps(v)) is not None
         return not isinstance(v, float) or v != int(v)  # 3.0: an integer
 
     @FAST
@@ -231,11 +238,38 @@ def test_schema_regex_agrees_with_jsonschema(name):
     ({"type": "array", "minItems": -1}, "minItems=-1"),
     ({"type": "array", "items": [{"type": "integer"}]}, "schema.items"),
     ({"description": "no type"}, "type=None"),
+    ({"type": "integer", "maximum": 9}, "minimum=None, maximum=9"),
+    ({"type": "integer", "minimum": -1, "maximum": 5}, "minimum=-1"),
+    ({"type": "number", "minimum": 0.5, "maximum": 5}, "minimum=0.5"),
+    ({"type": "integer", "minimum": 0, "maximum": 10**16}, "<= 10**15"),
+    ({"type": "integer", "minimum": 5, "maximum": 3}, "minimum=5, maximum=3"),
+    ({"type": "string", "maximum": 3}, "not type='string'"),
 ])
 def test_an_unsupported_schema_names_the_keyword(schema, names):
     with pytest.raises(ValueError) as e:
         schema_regex(schema)
     assert names in str(e.value)
+
+
+@FAST
+@given(st.integers(0, 10**7), st.integers(0, 10**7), st.integers(0, 2 * 10**7))
+def test_int_range_regex_matches_exactly_the_range(a, b, x):
+    lo, hi = min(a, b), max(a, b)
+    pattern = int_range_regex(lo, hi)
+    for n in (x, lo, hi, lo - 1, hi + 1, lo + x % 1000):
+        if n >= 0:
+            assert bool(re.fullmatch(pattern, str(n))) == (lo <= n <= hi), (lo, hi, n)
+    assert not re.fullmatch(pattern, "0" + str(max(lo, 1)))  # no leading zeros
+
+
+def test_bounded_numbers_stay_short_and_in_range():
+    dfa = DFA(schema_regex({"type": "number", "minimum": 2, "maximum": 10}))
+    for text, ok in [("2", True), ("10", True), ("10.000", True), ("9.999999", True),
+                     ("1.999", False), ("10.5", False), ("3.1234567", False),
+                     ("3e1", False), ("-3", False), ("03", False)]:
+        assert matches(dfa, text.encode()) == ok, text
+    big = int_range_regex(0, 10**15)
+    assert len(big) < 400 and re.fullmatch(big, str(10**15))  # blocks, not numbers
 
 
 @pytest.mark.parametrize("name", ['say "hi"', "back\\slash", "two\nlines"])

@@ -1,9 +1,9 @@
 """Chapter 7's decode benchmark: ms per token and tokens/s of `transformers`'
 `generate()`, chapter 3's loop, the engine eagerly, with CUDA graphs and with
 torch.compile (off a GPU: also a compiled decode step per way), at batch 1 and at
-larger batches, with the MBU of each. Chapter 7
-(section 11) runs `run_perf_benchmark`; `python -m minillm.bench decode -h` runs it as a
-command."""
+larger batches, with the MBU of each and, at batch 1, what one decode step runs (aten
+ops, kernel launches, CUDA graph launches: chapter 7, section 7). Chapter 7 (section 11)
+runs `run_perf_benchmark`; `python -m minillm.bench decode -h` runs it as a command."""
 from __future__ import annotations
 
 import argparse
@@ -24,12 +24,15 @@ from ..memory import PRESETS
 from ..config import ModelConfig
 from ..loader import load_model
 from ..model import Transformer
-from ..perf import decode_bytes, measure_bandwidth, mbu, peak_for
+from ..perf import (decode_bytes, launch_counts, measure_bandwidth, mbu, peak_for,
+                    quiet_native_stderr)
 from ..utils import bundled_model_path, synchronize
 
 __all__ = ["COMPILED", "DTYPES", "LLAMA_CPP_KINDS", "llama_cpp_missing", "gguf_copy",
-           "gguf_step_bytes", "llama_cpp_way", "check_llama_cpp", "model_pair", "engine_run", "loop_run", "round_robin",
-           "agreement", "MAX_BATCH", "check_perf_args", "run_perf_benchmark", "score",
+           "gguf_step_bytes", "llama_cpp_way", "check_llama_cpp", "model_pair", "engine_run",
+           "step_launches", "add_launches", "loop_run", "round_robin",
+           "agreement", "MAX_BATCH",
+           "LAUNCHES", "check_perf_args", "run_perf_benchmark", "score",
            "COLUMNS", "format_table", "write_csv", "decode_parser",
            "check_decode_args", "run_decode_command", "main"]
 
@@ -182,6 +185,35 @@ def engine_run(engine, prompt: list[int], n: int, batch: int, device) -> dict:
     return out
 
 
+def step_launches(engine, prompt: list[int], device) -> dict:
+    """What one decode step of one request on `engine` runs, counted by torch.profiler
+    (chapter 7, section 7): aten ops, kernel launches and CUDA graph launches."""
+    from torch.profiler import ProfilerActivity, profile
+    first = len(engine.history)
+    rid = engine.add_request(prompt, greedy(2))  # its prefill, then one decode step
+    while not any(r.useful_rows for r in engine.history[first:]):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (
+        device.type == "cuda")
+    with quiet_native_stderr(), profile(activities=activities) as prof:
+        engine.step()
+        synchronize(device)
+    assert not engine.history[-1].is_prefill and engine.history[-1].useful_rows == 1
+    while engine.has_unfinished():
+        engine.step()
+    engine.pop(rid)
+    counts = launch_counts(prof)
+    return {k.replace(" ", "_") + "_per_step": v for k, v in counts.items()}
+
+
+def add_launches(rows: list[dict], ways: dict, prompt: list[int], device) -> None:
+    """Each engine way's row gets what one of its decode steps runs (step_launches)."""
+    for row in rows:
+        run = ways[row["way"]]
+        if getattr(run, "func", None) is engine_run:  # partial(engine_run, engine, ..)
+            row.update(step_launches(run.args[0], prompt, device))
+
+
 def loop_run(method, prompt: list[int], n: int, device) -> dict:
     """One generation by chapter 3's loop or transformers: median ms per token."""
     m = measure(method, prompt, n, device)
@@ -301,6 +333,7 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
             ways[f"llama.cpp {kind}"], step = llama_cpp_way(folder, kind, prompt, n)
             held[f"llama.cpp {kind}"] = step + kv
     rows = [{"batch": 1, **r} for r in round_robin(ways, repeats)]
+    add_launches(rows, ways, prompt, device)
     del hf, ways                             # transformers' memory goes back first
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -311,7 +344,10 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
         compile_parts(ours)
         for batch in batches:
             ways = {"engine + graphs + torch.compile": engine(ours, batch, True)}
-            rows += [{"batch": batch, **r} for r in round_robin(ways, repeats)]
+            done = [{"batch": batch, **r} for r in round_robin(ways, repeats)]
+            if batch == 1:
+                add_launches(done, ways, prompt, device)
+            rows += done
     label = model if model == "bundled" or model in PRESETS else (
         model.rstrip("/").split("/")[-1].removesuffix(".gguf"))  # a checkpoint's name
     return score(rows, ours, device, dtype, label, prompt_tokens, n, repeats, held)
@@ -357,15 +393,18 @@ COLUMNS = [("way", "way", "{}"), ("batch", "batch", "{:.0f}"),
            ("x_transformers", "x HF", "{:.2f}"), ("x_batch_1", "x b1", "{:.1f}"),
            ("MBU", "MBU", "{:.0%}"),
            ("same_tokens_as_transformers", "same ids", "{:.0f}")]
+LAUNCHES = ("kernel_launches_per_step", "kernels", "{:.0f}")
 
 
 def format_table(rows: list[dict]) -> str:
     """A text table that fits 88 columns; rows may come back from the CSV file."""
     def cell(v, f):
         return "-" if v is None or v != v else f.format(v)  # v != v: NaN
-    cells = [[h for _, h, _ in COLUMNS]] + [
-        [cell(r.get(c), f) for c, _, f in COLUMNS] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    columns = COLUMNS + [LAUNCHES] * any(  # on a GPU: kernels launched per step
+        (r.get("kernel_launches_per_step") or 0) > 0 for r in rows)
+    cells = [[h for _, h, _ in columns]] + [
+        [cell(r.get(c), f) for c, _, f in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = [" ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
              for row in cells]
     i = rows[0]
@@ -374,7 +413,9 @@ def format_table(rows: list[dict]) -> str:
         f"{i['prompt_tokens']}-token prompt + {i['new_tokens']} new tokens, median of "
         f"{i['repeats']}; peak {i['peak_GB_per_s']} GB/s ({i['peak_from']})",
         "x HF: speed-up over transformers; x b1: tokens/s over batch 1",
-        "same ids: how many tokens equal transformers' tokens", *lines])
+        "same ids: how many tokens equal transformers' tokens",
+        *["kernels: CUDA kernels one decode step launches"] * (LAUNCHES in columns),
+        *lines])
 
 
 def write_csv(rows: list[dict], folder) -> list[Path]:

@@ -38,8 +38,10 @@ TEXT = {"type": "string", "maxLength": 40}  # bounded: an answer cannot run on
 ADDRESS = {"type": "object", "properties": {"street": TEXT, "city": TEXT,
                                             "postcode": TEXT},
            "required": ["street", "city", "postcode"]}
+COUNT = {"type": "integer", "minimum": 0, "maximum": 10000}  # bounded too
+PRICE = {"type": "number", "minimum": 0, "maximum": 10000}
 INVOICE = {"type": "object", "properties": {
-    "item": TEXT, "quantity": {"type": "integer"}, "unit_price": {"type": "number"}},
+    "item": TEXT, "quantity": COUNT, "unit_price": PRICE},
     "required": ["item", "quantity", "unit_price"]}
 LABELS = ["positive", "negative", "neutral"]
 TASKS = {  # name -> (the request, its JSON Schema or None for a label)

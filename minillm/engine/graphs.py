@@ -221,6 +221,14 @@ def graph_blockers(model) -> str | None:
     return None
 
 
+def _take_over(runner, old):
+    """`runner` replaces `old` in an engine: the requests added already keep their
+    random generators, and the logits processors stay."""
+    runner.generators, runner.default_generator = old.generators, old.default_generator
+    runner.logits_processors = old.logits_processors
+    return runner
+
+
 def _buckets_and_spans(engine, buckets, spans, max_graphs: int) -> tuple[list, list]:
     """enable_cuda_graphs' checks, and its default buckets and spans."""
     if isinstance(engine.runner, GraphRunner):
@@ -253,10 +261,7 @@ def enable_cuda_graphs(engine, buckets: list[int] | None = None,
     16, 64, 256, ... to stay within max_graphs."""
     buckets, spans = _buckets_and_spans(engine, buckets, spans, max_graphs)
     old = engine.runner
-    runner = GraphRunner(old.model, old.kv, buckets, spans, capture)
-    runner.generators = old.generators  # requests added already keep theirs
-    runner.default_generator = old.default_generator
-    runner.logits_processors = old.logits_processors
+    runner = _take_over(GraphRunner(old.model, old.kv, buckets, spans, capture), old)
     if runner.capture:
         blocker = graph_blockers(runner.model)
         if blocker:
@@ -360,10 +365,8 @@ def enable_compiled_decode(engine, buckets: list[int] | None = None,
     (max_graphs bounds the number of compiled steps)."""
     buckets, spans = _buckets_and_spans(engine, buckets, spans, max_graphs)
     old = engine.runner
-    runner = CompiledRunner(old.model, old.kv, buckets, spans, freezing)
-    runner.generators = old.generators  # requests added already keep theirs
-    runner.default_generator = old.default_generator
-    runner.logits_processors = old.logits_processors
+    runner = _take_over(CompiledRunner(old.model, old.kv, buckets, spans, freezing),
+                        old)
     engine.runner = runner
     return runner
 

@@ -146,6 +146,10 @@ def _accept(self, seq: Sequence, draft: list[int], q, logits: torch.Tensor):
     return rejection_sample(p, q, draft, self.base.generators.get(seq.request_id))
 
 
+
+SpeculativeRunner.accept = _accept
+
+# %% ../../chapters/10_speculative.ipynb #c67-settle
 def _settle(self, batch, drafts: list, out: list) -> None:
     """Count what each request computed that stays (its new tokens and accepted
     drafts), give back the memory of rejected drafts, commit: only verified K/V
@@ -171,5 +175,4 @@ def _give_back(self, batch, drafts: list) -> None:
             self.proposer.rollback(s, s.num_tokens)
 
 
-SpeculativeRunner.accept, SpeculativeRunner.settle = _accept, _settle
-SpeculativeRunner.give_back = _give_back
+SpeculativeRunner.settle, SpeculativeRunner.give_back = _settle, _give_back

@@ -15,8 +15,9 @@ MAX_NFA_STATES, MAX_DFA_STATES = 20_000, 5_000  # bounded work per grammar
 
 # %% auto #0
 __all__ = ['ANY', 'MAX_NFA_STATES', 'MAX_DFA_STATES', 'CLASSES', 'SIMPLE', 'WS', 'CHAR', 'STRING', 'INTEGER', 'NUMBER', 'SCALARS',
-           'KEYWORDS', 'TYPES', 'parse_regex', 'NFA', 'DFA', 'closure', 'moves', 'token_groups', 'allowed_tokens',
-           'pack_bits', 'FSMGrammar', 'FSMMatcher', 'schema_regex', 'check_schema_keys', 'array_regex']
+           'KEYWORDS', 'TYPES', 'MAX_BOUND', 'parse_regex', 'NFA', 'DFA', 'closure', 'moves', 'token_groups',
+           'allowed_tokens', 'pack_bits', 'FSMGrammar', 'FSMMatcher', 'schema_regex', 'check_schema_keys',
+           'array_regex', 'range_regex', 'int_range_regex']
 
 # %% ../../chapters/11_structured_output.ipynb #s32-parser
 CLASSES = {"d": b"0123456789", "s": b" \t\n\r\f\v",
@@ -393,6 +394,8 @@ def schema_regex(schema, where: str = "schema") -> str:
     if isinstance(kind, list):
         return "(?:" + "|".join(schema_regex({**schema, "type": t}, where)
                                 for t in kind) + ")"
+    if kind in ("integer", "number") and {"minimum", "maximum"} & set(schema):
+        return range_regex(schema, kind, where)  # bounded: folded cell below
     if kind in SCALARS:
         return SCALARS[kind]
     if kind == "string":
@@ -408,6 +411,7 @@ def schema_regex(schema, where: str = "schema") -> str:
 # %% ../../chapters/11_structured_output.ipynb #s52-schema-helpers
 KEYWORDS = {"type", "properties", "required", "items", "enum", "const", "anyOf",
             "minItems", "maxItems", "minLength", "maxLength", "additionalProperties",
+            "minimum", "maximum",
             "title", "description", "$schema", "default", "examples"}
 TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
 
@@ -439,6 +443,9 @@ def check_schema_keys(schema, where: str) -> None:
         missing = set(schema.get("required", [])) - set(props)
         if missing:
             raise ValueError(f"{where}: required {sorted(missing)} not in properties")
+    if {"minimum", "maximum"} & set(schema) and not set(kinds) <= {"integer", "number"}:
+        raise ValueError(f"{where}: minimum and maximum bound an integer or a number, "
+                         f"not type={schema.get('type')!r}")
     for key in ("minItems", "maxItems", "minLength", "maxLength"):
         value = schema.get(key, 0)
         if not (type(value) is int and 0 <= value <= 1000):
@@ -454,3 +461,46 @@ def array_regex(schema: dict, where: str) -> str:
     more = f"(?:{WS},{WS}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
     body = item + more if lo else f"(?:{item}{more})?"
     return r"\[" + WS + body + WS + r"\]"
+
+# %% ../../chapters/11_structured_output.ipynb #s52b-ranges
+MAX_BOUND = 10**15  # integers above it lose digits in a float64, as JSON numbers do
+
+
+def range_regex(schema: dict, kind: str, where: str) -> str:
+    """An integer or a number from minimum to maximum (ints, 0 <= minimum <= maximum
+    <= MAX_BOUND): the hand-built backend's bounded scalars. A number is written with
+    at most six decimals and no exponent, as xgrammar writes a bounded one."""
+    lo, hi = schema.get("minimum"), schema.get("maximum")
+    if not (type(lo) is int and type(hi) is int and 0 <= lo <= hi <= MAX_BOUND):
+        raise ValueError(f"{where}: minimum={lo!r}, maximum={hi!r}; the hand-built "
+                         "backend takes both, as ints with 0 <= minimum <= maximum <= "
+                         "10**15 (other bounds: backend='xgrammar')")
+    if kind == "integer":
+        return int_range_regex(lo, hi)
+    below = [int_range_regex(lo, hi - 1) + r"(?:\.[0-9]{1,6})?"] if hi > lo else []
+    return "(?:" + "|".join([*below, str(hi) + r"(?:\.0{1,6})?"]) + ")"
+
+
+def int_range_regex(lo: int, hi: int) -> str:
+    """The integers lo..hi (0 <= lo <= hi), written without leading zeros."""
+    parts = []
+    for n in range(len(str(lo)), len(str(hi)) + 1):  # each number of digits
+        a, b = max(lo, 10 ** (n - 1) if n > 1 else 0), min(hi, 10**n - 1)
+        parts.append(_digits_between(str(a), str(b)))
+    return "(?:" + "|".join(parts) + ")"
+
+
+def _digits_between(a: str, b: str) -> str:
+    """The numbers from a to b, both of the same number of digits."""
+    if len(a) == 1:
+        return f"[{a}-{b}]"
+    if a[0] == b[0]:
+        return a[0] + _digits_between(a[1:], b[1:])
+    rest = len(a) - 1
+    if a[1:] == "0" * rest and b[1:] == "9" * rest:  # whole blocks: [1-9][0-9]{3}
+        return f"[{a[0]}-{b[0]}][0-9]{{{rest}}}"
+    parts = [a[0] + _digits_between(a[1:], "9" * rest)]  # a .. a[0]99..9
+    if int(b[0]) - int(a[0]) > 1:  # whole blocks of 10**rest in between
+        parts.append(f"[{int(a[0]) + 1}-{int(b[0]) - 1}][0-9]{{{rest}}}")
+    parts.append(b[0] + _digits_between("0" * rest, b[1:]))  # b[0]00..0 .. b
+    return "(?:" + "|".join(parts) + ")"
