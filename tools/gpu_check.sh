@@ -21,7 +21,8 @@
 # .whl/ in the checkout (tools/gpu_wheels.sh fills it), its wheels are installed into
 # /tmp/site first (an offline machine lacks the notebook tooling). ARCHIVE=path.tar.gz:
 # at the end, whatever happened, everything in $OUT is packed into that one file too (the
-# device tool brings back at most 8 files).
+# device tool brings back at most 8 files). With the device tool (its own folder is $OUT,
+# so ARCHIVE comes first): ARCHIVE=$OUT/gpu.tar.gz OUT=gpu-results tools/gpu_check.sh
 # GPU_CHECK_DRY=1: a dry run on any machine (make test runs it): every benchmark command
 # checks its arguments and stops, pytest only collects, and the files are laid out as
 # on a GPU.
