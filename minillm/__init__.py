@@ -5,20 +5,12 @@ Every module except this one is exported from a chapter notebook in chapters/ (`
 """
 __version__ = "0.1.0"
 
-# Later chapters extend earlier code by registering what they add under a name: chapter
-# 5's quantization modes (minillm.loader.QUANTIZATIONS), chapter 6's paged KV cache
-# (minillm.kv.base.KV_BACKENDS, continuous batching's default), chapter 7's CUDA graphs
-# (minillm.engine.llm_engine.ENGINE_OPTIONS) and its dtype="auto" rule for a CPU
-# (minillm.loader.DTYPE_RULES), chapter 10's speculative decoding (ENGINE_OPTIONS), chapter
-# 11's structured output (ENGINE_OPTIONS, the runner's logits processors). Importing any
-# part of the package imports them,
-# so the package is always the whole engine, whatever came first.
-from . import quant  # noqa: E402,F401  load_model(quantization="int8" | "int4" | ...)
-from .kv import paged  # noqa: E402,F401  LLMEngine(kv_cache="paged", block_size=...)
-from .engine import graphs  # noqa: E402,F401  LLMEngine(..., cuda_graphs=True)
-from . import perf  # noqa: E402,F401  load_model(dtype="auto") on a CPU: measured
-from .spec import engine as _spec  # noqa: E402,F401  LLM(..., speculative_config={...})
-from .structured import engine as _structured  # noqa: E402,F401  structured_outputs
+# Later chapters extend earlier code by registering what they add under a name, in the
+# registries of earlier chapters (chapter 5's quantization modes, chapter 6's paged KV cache,
+# chapter 7's CUDA graphs, chapter 10's speculative decoding, chapter 11's structured output).
+# minillm/features.py names, in one place, the modules that fill each registry; a registry's
+# reader loads them on first use. So nothing here is imported for its side effects, and
+# `import minillm.tokenizer` loads no engine.
 
 # The front door with vLLM's names: `from minillm import LLM, SamplingParams`. Imported
 # when first used, so `python -m minillm.bench` and the chapters' first cells stay light.

@@ -16,12 +16,6 @@ COMMANDS = {  # name -> (module, its function of argv that returns the status, h
     "bench": ("minillm.bench.cli", "dispatch",
               "run one of the book's benchmarks: bench NAME (bench --help lists them)"),
 }
-EXTENSIONS = {  # what later chapters add to a command: imported before it runs
-    "serve": ("minillm.spec.serve",  # chapter 10: --speculative-config, its metrics
-              "minillm.structured.serve"),  # chapter 11: response_format
-}
-
-
 def parser() -> argparse.ArgumentParser:
     """The top level: only lists the commands; each command parses its own flags."""
     p = argparse.ArgumentParser(
@@ -41,8 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in COMMANDS:
         module, function, _ = COMMANDS[argv[0]]
-        for extension in EXTENSIONS.get(argv[0], ()):
-            importlib.import_module(extension)
         return getattr(importlib.import_module(module), function)(argv[1:])
     p = parser()
     if not argv:  # no command: the usage, and status 2 as argparse's errors

@@ -13,6 +13,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
+from . import features
 from .config import ModelConfig, _read_json
 from .model import Transformer
 from .sources import resolve_folder
@@ -157,11 +158,12 @@ def default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
 
 def check_quantization(quantization) -> None:
     """None, or a name that a later chapter registered in QUANTIZATIONS."""
+    modes = features.registry(QUANTIZATIONS)  # chapter 5's, loaded on first use
     if quantization is None or (isinstance(quantization, str)
-                                and quantization in QUANTIZATIONS):
+                                and quantization in modes):
         return
     raise ValueError(f"quantization={quantization!r}: give None or one of "
-                     f"{sorted(QUANTIZATIONS) or 'the modes chapter 5 registers'}")
+                     f"{sorted(modes) or 'the modes chapter 5 registers'}")
 
 
 DTYPE_RULES: dict = {}  # device type -> pick(config, device) for dtype="auto"
@@ -181,7 +183,8 @@ def _load_inputs(path, dtype, device, quantization) -> tuple:
     config = ModelConfig.from_hf(folder)
     files = safetensors_files(folder)
     if dtype is None or auto:
-        pick = DTYPE_RULES.get(device.type, default_dtype) if auto else default_dtype
+        rules = features.registry(DTYPE_RULES)  # chapter 7's, on first use
+        pick = rules.get(device.type, default_dtype) if auto else default_dtype
         dtype = _check_dtype(pick(config, device), device)
     return folder, config, files, device, dtype
 

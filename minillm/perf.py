@@ -10,14 +10,13 @@ from contextlib import contextmanager
 
 import torch
 
-from .utils import synchronize
+from .utils import check_int, synchronize
 
 
 def _check_ints(*checks) -> None:
     """Each (name, value, low): an int (not a bool) >= low, or a ValueError."""
     for name, v, low in checks:
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{name}={v!r}: must be an int >= {low}")
+        check_int(name, v, low)
 
 
 def _check_positive(**values) -> None:

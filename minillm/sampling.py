@@ -34,7 +34,10 @@ def _as_tuple(x, name: str) -> tuple:
         return (x,)
     if isinstance(x, (bytes, bytearray, dict)) or not hasattr(x, "__iter__"):
         raise ValueError(f"{name}={x!r} is not allowed; give a list")
-    return tuple(x)
+    try:
+        return tuple(x)
+    except TypeError:  # e.g. a 0-d tensor, which has __iter__ but cannot iterate
+        raise ValueError(f"{name}={x!r} is not allowed; give a list") from None
 
 
 def _rows(x, B: int, name: str) -> list:

@@ -11,6 +11,16 @@ import torch
 _DEVICE = re.compile(r"(cpu|cuda|mps)(?::(\d+))?")
 
 
+def check_int(name: str, value, low: int = 1, high: int | None = None) -> int:
+    """`value` if it is an int in [low, high], else a ValueError naming it (a bool,
+    a float or a tensor is not an int here). The book's one check of a count."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low \
+            or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ValueError(f"{name}={value!r:.60}: must be an int {allowed}")
+    return value
+
+
 def pick_device(prefer: str | torch.device | None = None) -> torch.device:
     """`cuda` when a GPU is available, else `cpu`; `prefer` asks for one device.
 
@@ -72,4 +82,4 @@ def short_path(path: str | Path) -> str:
     return path.name
 
 # %% auto #0
-__all__ = ['pick_device', 'synchronize', 'repo_root', 'bundled_model_path', 'short_path']
+__all__ = ['check_int', 'pick_device', 'synchronize', 'repo_root', 'bundled_model_path', 'short_path']

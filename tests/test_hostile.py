@@ -310,7 +310,7 @@ def test_huge_kv_pools_are_refused_before_anything_is_allocated(bundled):
     model, tok = bundled
     cases = [(dict(kv_cache="paged", num_blocks=10**12), r"num_blocks=10{12}"),
              (dict(kv_cache="paged", kv_cache_bytes=10**15), r"kv_cache_bytes=10{15}"),
-             (dict(kv_cache="slots", max_num_seqs=10**9), r"max_num_seqs=10{9} slots")]
+             (dict(kv_cache="slots", max_num_seqs=60_000), r"max_num_seqs=60000 slots")]
     # (the paged default pool stops at a ceiling: tests/test_kv_memory.py)
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match) as e:  # 10{12}: 1 and 12 zeros
@@ -416,9 +416,12 @@ def test_perplexity_refuses_what_is_not_token_ids(bundled, ids, window, match):
     ("serving", ["--requests", "100000000"], "at most 100000"),
     ("paged", ["--requests", "100000000"], "at most 100000"),
     ("decode", ["--batch", "1", "100000000"], "at most 4096"),
-    ("serving", ["--max-num-seqs", "100000000", "--methods",
+    ("serving", ["--max-num-seqs", "60000", "--methods",
                                "minillm-continuous"],
      "GiB free"),
+    ("serving", ["--max-num-seqs", "100000000", "--methods",
+                               "minillm-continuous"],
+     "max_num_seqs=100000000: must be an int in 1..65536"),
 ])
 def test_commands_refuse_what_would_not_fit(module, argv, match):
     import subprocess

@@ -71,7 +71,7 @@ def test_prefix_hit_skips_the_cached_tokens(model):
         engine.step()
     second = engine.add_request(system + [60, 61], params)
     batch = engine.scheduler.schedule()
-    assert batch.is_prefill and engine.kv.blocks.computed[batch.seqs[0].request_id] == 16
+    assert batch.is_prefill and engine.kv.blocks.hits == 4  # 4 blocks of 4 found
     assert batch.seqs[0].num_computed_tokens == 16 and batch.num_new == [3]
     ids, meta = engine.runner.prepare_packed(batch.seqs, batch.num_new)
     assert ids.shape == (1, 3)  # only the 3 tokens after the cached 16

@@ -90,6 +90,26 @@ def test_max_waiting_counts_answers_not_requests():
     assert not llm.engine.requests
 
 
+def test_max_waiting_counts_the_answers_held_for_their_prompt():
+    """n > 1 on paged KV: answers 1..n-1 wait until answer 0 computed the prompt; they
+    count against max_waiting and in the waiting metric (issue 52)."""
+    llm = tiny_llm(max_num_seqs=1)
+    with BackgroundServer(build_app(llm, NAME, max_waiting=3)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+        long = {"model": NAME, "max_tokens": 450, "temperature": 0, "stream": True,
+                "extra_body": {"ignore_eos": True}}
+        running = client.completions.create(prompt="A:\n", **long)
+        next(iter(running))  # A runs: the one row is taken
+        waiting = client.completions.create(prompt="C:\n", n=2, **long)
+        assert metrics(server.url)["minillm:num_requests_waiting"] == 2
+        with pytest.raises(openai.RateLimitError):  # 2 + 2 answers > 3
+            client.completions.create(prompt="D:\n", n=2, **long)
+        running.close()
+        waiting.close()
+        wait_idle(server.url)
+    assert not llm.engine.requests
+
+
 # --- 2. logprobs are finite JSON ------------------------------------------------------
 
 def blocked_logprobs_body(vocab: int) -> dict:

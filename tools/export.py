@@ -31,7 +31,7 @@ from nbdev.maker import ModuleMaker
 from nbdev.process import NBProcessor
 
 ROOT = Path(__file__).resolve().parent.parent
-HAND_WRITTEN = {"__init__.py", "__main__.py"}  # modules no notebook owns
+HAND_WRITTEN = {"__init__.py", "__main__.py", "features.py"}  # modules no notebook owns
 HAND_WRITTEN_PACKAGES = ("bench",)  # folders of minillm/ that no notebook exports into
 
 

@@ -9,11 +9,11 @@ import time
 
 import torch
 
-from .llm_engine import ENGINE_OPTIONS
+from .config import register_engine_option
 from .runner import ModelRunner
 from ..model import StepMeta
 from ..perf import _check_ints
-from ..utils import synchronize
+from ..utils import check_int, synchronize
 
 _log = logging.getLogger("minillm")
 
@@ -233,9 +233,7 @@ def _buckets_and_spans(engine, buckets, spans, max_graphs: int) -> tuple[list, l
     """enable_cuda_graphs' checks, and its default buckets and spans."""
     if isinstance(engine.runner, GraphRunner):
         raise ValueError("this engine decodes through CUDA graphs already")
-    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) \
-            or max_graphs < 1:
-        raise ValueError(f"max_graphs={max_graphs!r}: must be an int >= 1")
+    check_int("max_graphs", max_graphs)
     if buckets is None:
         buckets = default_buckets(engine.scheduler.max_num_seqs)
     if spans is None:
@@ -271,16 +269,18 @@ def enable_cuda_graphs(engine, buckets: list[int] | None = None,
     return runner
 
 # %% ../../chapters/07_performance.ipynb #c46c-graphs
-def cuda_graphs_option(on: bool | None):
+def cuda_graphs_option(on: bool | None) -> bool | None:
     """LLMEngine(..., cuda_graphs=True), checked before the engine is built; after,
     its decode steps go through CUDA graphs (vLLM records them unless
-    enforce_eager=True)."""
+    enforce_eager=True). None or False: off."""
     if on is not None and not isinstance(on, bool):  # None: left out
         raise ValueError(f"cuda_graphs={on!r}: must be True or False")
-    return enable_cuda_graphs if on else (lambda engine: None)
+    return on or None
 
 
-ENGINE_OPTIONS["cuda_graphs"] = cuda_graphs_option
+register_engine_option("cuda_graphs", cuda_graphs_option, order=10,
+                       apply=lambda engine, on: enable_cuda_graphs(engine),
+                       excludes=("compile_decode",))
 
 # %% ../../chapters/07_performance.ipynb #c76-compile
 def compile_parts(model: torch.nn.Module, **options) -> list[str]:
@@ -371,11 +371,13 @@ def enable_compiled_decode(engine, buckets: list[int] | None = None,
     return runner
 
 
-def compile_decode_option(on: bool | None):
+def compile_decode_option(on: bool | None) -> bool | None:
     """LLMEngine(..., compile_decode=True): decode through compiled steps."""
     if on is not None and not isinstance(on, bool):  # None: left out
         raise ValueError(f"compile_decode={on!r}: must be True or False")
-    return enable_compiled_decode if on else (lambda engine: None)
+    return on or None
 
 
-ENGINE_OPTIONS["compile_decode"] = compile_decode_option
+register_engine_option("compile_decode", compile_decode_option, order=20,
+                       apply=lambda engine, on: enable_compiled_decode(engine),
+                       excludes=("cuda_graphs",))

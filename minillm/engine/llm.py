@@ -157,8 +157,9 @@ def _run(self, ids: list[str], use_tqdm: bool,
     bar = tqdm(total=len(ids), desc="requests", unit="req", disable=hide)
     try:
         while todo:
-            engine.step()
-            done = {rid for rid in todo if engine.is_finished(rid)}
+            moved = engine.step()  # what the step moved says what finished
+            done = ({o.request_id for o in moved if o.finished} & todo if moved
+                    else {rid for rid in todo if engine.is_finished(rid)})
             bar.update(len(done))
             todo -= done
     except BaseException:  # an error or Ctrl-C: nothing stays queued or allocated

@@ -8,25 +8,23 @@ import dataclasses
 import itertools
 import time
 
-import minillm.kv.slots  # noqa: F401  (registers kv_cache="slots")
+from .config import EngineConfig
 from .outputs import CompletionOutput, RequestOutput, StepRecord
 from .runner import ModelRunner, prompt_logprobs
-from .scheduler import Scheduler, check_policy
+from .scheduler import make_scheduler
 from .step_outputs import (
     _decode_logprobs, _delta, _end_siblings, _record, _take)
 from ..kv.base import make_kv
 from ..sampling import SamplingParams
 from ..sequence import Sequence
 
-ENGINE_OPTIONS: dict = {}  # an option a later chapter adds -> check(value or None),
-#                  which returns apply(engine) (chapter 7: cuda_graphs=True)
+REQUEST_CHECKS: list = []  # (engine, seq) -> None or raise ValueError: a later
+#                  chapter's check of a request before it is queued (chapter 11)
 
 
-def check_engine_args(model, tokenizer, max_num_seqs, max_num_batched_tokens,
-                      max_model_len, policy) -> tuple[int, int]:
-    """LLMEngine's arguments checked before anything is built. Returns
-    max_model_len and max_num_batched_tokens with their defaults filled in."""
-    check_policy(policy)
+def check_model_and_tokenizer(model, tokenizer) -> None:
+    """What LLMEngine is given to run: a minillm Transformer, and a tokenizer (or
+    None, for token ids only)."""
     from minillm.model import Transformer
     if not isinstance(model, Transformer):
         raise ValueError(f"model={model!r:.60} is not a minillm Transformer: load "
@@ -36,29 +34,9 @@ def check_engine_args(model, tokenizer, max_num_seqs, max_num_batched_tokens,
     if tokenizer is not None and not all(methods):
         raise ValueError(f"tokenizer={tokenizer!r:.60} lacks encode() or decode(); "
                          "give a minillm Tokenizer, a transformers one, or None")
-    context = model.config.context_length
-    for name, value in [("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("max_model_len", max_model_len)]:
-        if value is None and name != "max_num_seqs":
-            continue  # the defaults below
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be an int >= 1")
-    max_model_len = context if max_model_len is None else max_model_len
-    max_num_batched_tokens = (max(2048, max_model_len, max_num_seqs)
-                              if max_num_batched_tokens is None
-                              else max_num_batched_tokens)
-    if max_num_batched_tokens < max_num_seqs:  # every running request: a token
-        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is "
-                         f"less than max_num_seqs={max_num_seqs}: each step gives "
-                         "every running request a token")
-    if max_model_len > context:
-        raise ValueError(f"max_model_len={max_model_len} is larger than the "
-                         f"model's context of {context} positions")
-    return max_model_len, max_num_batched_tokens
 
 # %% auto #0
-__all__ = ['ENGINE_OPTIONS', 'check_engine_args', 'LLMEngine']
+__all__ = ['REQUEST_CHECKS', 'check_model_and_tokenizer', 'LLMEngine']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43-engine
 class LLMEngine:
@@ -70,26 +48,24 @@ class LLMEngine:
                  max_model_len: int | None = None, policy: str = "continuous",
                  kv_cache: str | None = None, enable_chunked_prefill: bool = True,
                  **options):
-        max_model_len, max_num_batched_tokens = check_engine_args(
-            model, tokenizer, max_num_seqs, max_num_batched_tokens, max_model_len,
-            policy)
-        later = [check(options.pop(name, None))  # None: the option was left out
-                 for name, check in ENGINE_OPTIONS.items()]  # checked now, applied
+        check_model_and_tokenizer(model, tokenizer)
+        self.config = cfg = EngineConfig.create(  # every argument checked, once
+            model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, policy=policy,
+            kv_cache=kv_cache, enable_chunked_prefill=enable_chunked_prefill,
+            **options)
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.max_model_len = max_model_len
-        self.kv, scheduler = make_kv(kv_cache, options, model, max_num_seqs,
-                                     max_model_len, policy, max_num_batched_tokens)
-        self.scheduler = (scheduler or Scheduler)(  # the backend's, or section 5's
-            self.kv, max_num_seqs, max_num_batched_tokens, policy,
-            enable_chunked_prefill)
-        self.runner = ModelRunner(model, self.kv)
+        self.max_model_len = cfg.max_model_len
+        self.kv = make_kv(cfg, model)                 # where K/V live (section 4)
+        self.scheduler = make_scheduler(cfg, self.kv)  # who runs (section 5)
+        self.runner = ModelRunner(model, self.kv)      # one forward (section 6)
         self.requests: dict[str, Sequence] = {}  # every answer not yet collected
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its n answers
         self.group_of: dict[str, str] = {}  # an answer's own id -> its request id
         self.history: list[StepRecord] = []
         self._ids = itertools.count()
-        for apply in later:  # e.g. chapter 7's cuda_graphs=True
-            apply(self)
+        for name, option, value in cfg.ordered_options():  # later chapters', in
+            option.apply(self, value)  # their order: chapter 7's, then 10's, ...
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43b-engine
 def _add_request(self, prompt, params: SamplingParams | None = None,
@@ -98,7 +74,8 @@ def _add_request(self, prompt, params: SamplingParams | None = None,
     """Queue one request (text or token ids). Everything is checked first: a bad
     request raises ValueError and changes nothing. With params.n > 1 the request
     has n answers, each with its own random numbers."""
-    prompt, request_id = self._check_request(prompt, request_id)
+    prompt, request_id = self._check_request(prompt, request_id,
+                                             getattr(params, "n", 1))
     seq = Sequence.create(self.model, prompt, params, self.tokenizer, request_id,
                           arrival_time, self.max_model_len)  # max_tokens=None: the rest
     self._check_fits(seq)
@@ -116,9 +93,10 @@ def _add_request(self, prompt, params: SamplingParams | None = None,
 LLMEngine.add_request = _add_request
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43b2-fits
-def _check_request(self, prompt, request_id) -> tuple:
+def _check_request(self, prompt, request_id, n: int) -> tuple:
     """A text prompt encoded (it needs a tokenizer and some text); a new, unique
-    request id (None: the next number that nobody uses)."""
+    request id (None: the next number that neither a request nor one of the n
+    answers' ids uses)."""
     if isinstance(prompt, str):
         if self.tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer: give "
@@ -127,11 +105,16 @@ def _check_request(self, prompt, request_id) -> tuple:
             raise ValueError("the prompt is empty; give some text")
         prompt = self.tokenizer.encode(prompt)
     if request_id is None:  # the next number that nobody uses
-        request_id = next(str(i) for i in self._ids if str(i) not in self.groups)
-    if not isinstance(request_id, str) or request_id in self.groups \
-            or request_id in self.group_of:
+        request_id = next(str(i) for i in self._ids if not self._taken(str(i), n))
+    if not isinstance(request_id, str) or self._taken(request_id, 1):
         raise ValueError(f"request_id={request_id!r}: give a new, unique string")
     return prompt, request_id
+
+
+def _taken(self, request_id: str, n: int) -> bool:
+    """Is the id, or one of its n answers' ids (f"{i}_{id}"), in use?"""
+    return (request_id in self.groups or request_id in self.group_of
+            or any(f"{i}_{request_id}" in self.group_of for i in range(1, n)))
 
 
 def _check_fits(self, seq: Sequence) -> None:
@@ -142,6 +125,8 @@ def _check_fits(self, seq: Sequence) -> None:
     why = self.kv.too_long(seq) or self.scheduler.too_long(seq)
     if why:
         raise ValueError(why)
+    for check in REQUEST_CHECKS:  # later chapters' checks (chapter 11: grammars)
+        check(self, seq)
 
 
 def _prompt_logprobs(self, seq: Sequence) -> None:
@@ -156,6 +141,7 @@ def _prompt_logprobs(self, seq: Sequence) -> None:
 
 
 LLMEngine._check_request, LLMEngine._check_fits = _check_request, _check_fits
+LLMEngine._taken = _taken
 LLMEngine._prompt_logprobs = _prompt_logprobs
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43b4-answers

@@ -4,7 +4,7 @@
 """Chapter 6's scheduler: chapter 4's, for KV memory taken as tokens come."""
 from __future__ import annotations
 
-from .scheduler import Scheduler
+from .scheduler import SCHEDULERS, Scheduler
 from ..sequence import RUNNING, WAITING, Sequence
 
 
@@ -25,7 +25,7 @@ class PagedScheduler(Scheduler):
         """Chapter 4's, with room for each request's new token first."""
         seqs, num_new, total = [], [], budget
         for seq in list(self.running):  # the oldest first
-            if seq not in self.running:
+            if seq.status == WAITING:
                 continue  # preempted just now, for an older request
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:
@@ -36,8 +36,8 @@ class PagedScheduler(Scheduler):
                 num_new.append(n)
                 budget -= n
             if self.num_preemptions != preemptions:  # a victim may have run
-                num_new = [k for s, k in zip(seqs, num_new) if s in self.running]
-                seqs = [s for s in seqs if s in self.running]
+                num_new = [k for s, k in zip(seqs, num_new) if s.status != WAITING]
+                seqs = [s for s in seqs if s.status != WAITING]
                 budget = total - sum(num_new)
         return seqs, num_new
 
@@ -92,6 +92,7 @@ def _too_long(self, seq: Sequence) -> str | None:
 
 
 PagedScheduler.too_long = _too_long
+SCHEDULERS["paged"] = PagedScheduler  # the engine's scheduler on kv_cache="paged"
 
 # %% ../../chapters/06_paged_attention.ipynb #c72n4-held
 def _add(self, first: Sequence, *others: Sequence) -> None:
@@ -137,5 +138,11 @@ def _has_unfinished(self) -> bool:
     return Scheduler.has_unfinished(self) or bool(self.held)
 
 
+def _num_waiting(self) -> int:
+    """Chapter 4's count, and the answers held until answer 0 computed the prompt."""
+    return Scheduler.num_waiting(self) + sum(len(c) for _, c in self.held.values())
+
+
 PagedScheduler.schedule, PagedScheduler.finished = _schedule, _finished
 PagedScheduler.has_unfinished = _has_unfinished
+PagedScheduler.num_waiting = _num_waiting

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from .. import features
 from ..sequence import RUNNING, WAITING, Sequence
 
 
@@ -21,7 +22,7 @@ def check_scheduler_args(policy, enable_chunked_prefill) -> None:
                          "must be True or False")
 
 # %% auto #0
-__all__ = ['check_policy', 'check_scheduler_args', 'Batch', 'Scheduler']
+__all__ = ['SCHEDULERS', 'check_policy', 'check_scheduler_args', 'Batch', 'Scheduler', 'make_scheduler']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21-scheduler
 @dataclass
@@ -182,4 +183,20 @@ def _too_long(self, seq: Sequence) -> str | None:
     return None
 
 
+def _num_waiting(self) -> int:
+    """Answers not running yet (the server's queue length and its metric)."""
+    return len(self.waiting)
+
+
 Scheduler.undo, Scheduler.too_long = _undo, _too_long
+Scheduler.num_waiting = _num_waiting
+
+# %% ../../chapters/04_continuous_batching.ipynb #c21l-make-scheduler
+SCHEDULERS: dict[str, type] = {}  # KV backend name -> the scheduler it needs (ch. 6)
+
+
+def make_scheduler(cfg, kv) -> Scheduler:
+    """The engine's scheduler: the one its KV backend needs, else section 5's."""
+    cls = features.registry(SCHEDULERS).get(cfg.kv_cache, Scheduler)
+    return cls(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy,
+               cfg.enable_chunked_prefill)

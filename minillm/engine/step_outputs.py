@@ -13,7 +13,17 @@ from ..sequence import Sequence
 def _take(self, seq: Sequence, token, now: float) -> tuple:
     """Hand the step's result to `seq`: its text piece, its new ids and logprobs.
     A failure of its own (a row that could not be sampled, a token it cannot
-    decode) ends this request with an error; the others go on."""
+    decode) ends this request with an error; the others go on. A list of ids
+    (chapter 10: several tokens from one forward) is taken in order while the
+    request runs."""
+    if isinstance(token, list):
+        text, new = "", []
+        for t in token:
+            piece, ids, _ = _take(self, seq, t, now)
+            text, new = text + piece, new + ids
+            if seq.is_finished:
+                break
+        return text, new, None
     logprobs = None
     try:
         if isinstance(token, Exception):

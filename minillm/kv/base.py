@@ -51,34 +51,25 @@ __all__ = ['KV_BACKENDS', 'DEFAULT_KV_CACHE', 'KVBackend', 'register_kv_backend'
            'PackedSteps']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c13d-registry
-KV_BACKENDS: dict[str, tuple] = {}  # name -> (build, its options, its scheduler)
+KV_BACKENDS: dict[str, tuple] = {}  # name -> (build, its options)
 DEFAULT_KV_CACHE = {"continuous": "slots", "static": "slots"}  # policy -> name
 
 
-def register_kv_backend(name: str, build, options=(), default_for=(),
-                        scheduler=None) -> None:
+def register_kv_backend(name: str, build, options=(), default_for=()) -> None:
     """LLMEngine(kv_cache=name, **options) calls build(model, max_num_seqs,
     max_model_len, policy, max_num_batched_tokens, **options); default_for:
-    the scheduling policies that use this backend when kv_cache is None;
-    scheduler: the Scheduler class it needs (None: chapter 4's)."""
-    KV_BACKENDS[name] = (build, tuple(options), scheduler)
+    the scheduling policies that use this backend when kv_cache is None."""
+    KV_BACKENDS[name] = (build, tuple(options))
     for policy in default_for:
         DEFAULT_KV_CACHE[policy] = name
 
 
-def make_kv(kv_cache: str | None, options: dict, model, max_num_seqs: int,
-            max_model_len: int, policy: str, max_num_batched_tokens: int):
-    """The engine's KV backend (the one named, or the policy's default), and the
-    scheduler class it asks for (None: chapter 4's)."""
-    name = DEFAULT_KV_CACHE[policy] if kv_cache is None else kv_cache
-    if not isinstance(name, str) or name not in KV_BACKENDS:
-        raise ValueError(f"kv_cache={kv_cache!r}: allowed {sorted(KV_BACKENDS)}")
-    build, allowed, scheduler = KV_BACKENDS[name]
-    if set(options) - set(allowed):
-        raise ValueError(f"{sorted(set(options) - set(allowed))}: not an option of "
-                         f"LLMEngine; kv_cache={name!r} takes {list(allowed)}")
-    return build(model, max_num_seqs, max_model_len, policy,
-                 max_num_batched_tokens, **options), scheduler
+def make_kv(cfg, model):
+    """The engine's KV backend, as its checked config names it (cfg.kv_cache and
+    cfg.kv_options, an EngineConfig's)."""
+    build, _ = KV_BACKENDS[cfg.kv_cache]
+    return build(model, cfg.max_num_seqs, cfg.max_model_len, cfg.policy,
+                 cfg.max_num_batched_tokens, **cfg.kv_options)
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31a-groups
 def packed_groups(meta: StepMeta) -> list[tuple[torch.Tensor | slice, StepMeta]]:

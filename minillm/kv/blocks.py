@@ -8,6 +8,8 @@ import hashlib
 import struct
 from collections import OrderedDict
 
+from ..utils import check_int
+
 
 def check_block_size(block_size) -> int:
     """A block holds a power of two of tokens (1, 2, 4, ... 16 is vLLM's default)."""
@@ -20,9 +22,7 @@ def check_block_size(block_size) -> int:
 
 def _check_pool_args(num_blocks, block_size, enable_prefix_caching) -> None:
     """BlockManager's arguments: a number of blocks, a block size, a flag."""
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) \
-            or num_blocks < 1:
-        raise ValueError(f"num_blocks={num_blocks!r}: must be an int >= 1")
+    check_int("num_blocks", num_blocks)
     check_block_size(block_size)
     if not isinstance(enable_prefix_caching, bool):
         raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: "
@@ -56,7 +56,6 @@ class BlockManager:
         self.key_of: dict[int, tuple] = {}       # block -> (previous hash, its tokens)
         self.cached: dict[bytes, int] = {}       # hash -> block that holds those tokens
         self.tables: dict[str, list[int]] = {}   # request id -> its blocks, in order
-        self.computed: dict[str, int] = {}       # request id -> tokens found in cache
         self.pending: dict[str, list[tuple]] = {}  # (end, block, hash, key)
         self.request_keys: dict[str, list] = {}  # request id -> its blocks' keys
         self.unpublished: set[str] = set()       # computed before a reset: never shared
@@ -129,11 +128,10 @@ def _allocate(self, request_id: str, token_ids: list[int]) -> int:
             pending.append(((i + 1) * self.block_size, block, *keys[i]))
     self.tables[request_id] = table
     self.pending[request_id] = pending
-    self.computed[request_id] = len(shared) * self.block_size
     if self.enable_prefix_caching:
         self.queries += len(keys)
         self.hits += len(shared)
-    return self.computed[request_id]
+    return len(shared) * self.block_size
 
 
 BlockManager.can_allocate, BlockManager.allocate = _can_allocate, _allocate
@@ -164,7 +162,6 @@ def _free(self, request_id: str) -> None:
         self.ref_count[block] -= 1
         if self.ref_count[block] == 0:
             self.free_blocks[block] = None  # the most recently freed: reused last
-    self.computed.pop(request_id, None)
     self.request_keys.pop(request_id, None)
     self.pending.pop(request_id, None)  # never written: do not publish
     self.unpublished.discard(request_id)
@@ -285,7 +282,6 @@ def _fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple | None:
     table = [self._take(block) for block in parent[:last // self.block_size]]
     table.append(self._take(self._evict()))
     self.tables[child_id] = table
-    self.computed[child_id] = last
     self.pending[child_id] = []  # the parent names the shared blocks
     if last % self.block_size == 0:
         return None  # the child's block starts at its own first position
@@ -293,3 +289,40 @@ def _fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple | None:
 
 
 BlockManager.fork = _fork
+
+# %% ../../chapters/06_paged_attention.ipynb #c20e-lookahead
+def _reserve(self, request_id: str, num_tokens: int, k: int) -> int:
+    """Lookahead (vLLM's num_lookahead_tokens): blocks for up to k positions after
+    the request's first num_tokens, while free blocks last. Returns how many of
+    the k positions have a block."""
+    table = self.tables[request_id]
+    for _ in range(min(self.blocks_for(num_tokens + k) - len(table), self.num_free)):
+        table.append(self._take(self._evict()))
+    return max(0, min(k, len(table) * self.block_size - num_tokens))
+
+
+def _name_filled(self, request_id: str, token_ids: list[int], start: int) -> None:
+    """The tokens after the first `start` of token_ids were written in one step:
+    the blocks they filled are named (shared once publish() says they hold K/V)."""
+    if not self.enable_prefix_caching or request_id in self.unpublished:
+        return
+    table, keys = self.tables[request_id], self.block_keys(token_ids, request_id)
+    for end in range(start + 1, len(token_ids) + 1):
+        if end % self.block_size == 0:  # position end - 1 filled a block
+            i = end // self.block_size - 1
+            self.pending.setdefault(request_id, []).append((end, table[i], *keys[i]))
+
+
+def _trim(self, request_id: str, num_tokens: int) -> None:
+    """Give back the blocks past the first num_tokens positions (lookahead that
+    was not used)."""
+    table = self.tables[request_id]
+    while len(table) > self.blocks_for(num_tokens):
+        block = table.pop()
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free_blocks[block] = None
+
+
+BlockManager.reserve, BlockManager.trim = _reserve, _trim
+BlockManager.name_filled = _name_filled

@@ -7,22 +7,43 @@ import itertools
 
 import torch
 
-from ..engine.paged_scheduler import PagedScheduler
 from .base import PackedSteps, register_kv_backend
 from .blocks import BlockManager, check_block_size
 from .contiguous import (KVCache, KVMemoryError, check_kv_fits,
                                    free_memory_bytes)
 from ..model import StepMeta
 from ..sequence import Sequence
+from ..utils import check_int
 
 
-def token_ids(seq: Sequence) -> list[int]:
+class TokenView:
+    """Every token of a request so far (its prompt, what it generated, and `more`,
+    e.g. accepted drafts) as one sequence to take len() and slices of, without
+    copying the lists: the block manager reads only the blocks it names."""
+    __slots__ = ("parts",)
+
+    def __init__(self, *parts: list[int]):
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def __getitem__(self, s: slice) -> list[int]:
+        start, stop, _ = s.indices(len(self))
+        out = []
+        for p in self.parts:
+            out += p[max(start, 0):max(stop, 0)]
+            start, stop = start - len(p), stop - len(p)
+        return out
+
+
+def token_ids(seq: Sequence, more: list[int] = ()) -> TokenView:
     """Every token of a request so far: its prompt and what it generated."""
-    return seq.prompt_ids + seq.output_ids
+    return TokenView(seq.prompt_ids, seq.output_ids, more)
 
 # %% auto #0
-__all__ = ['DEFAULT_KV_SPACE', 'token_ids', 'PagedKVCache', 'weights_version', 'check_utilization', 'kv_bytes_from_memory',
-           'profile_kv_bytes', 'default_pool_blocks', 'paged_cache']
+__all__ = ['DEFAULT_KV_SPACE', 'TokenView', 'token_ids', 'PagedKVCache', 'weights_version', 'check_utilization',
+           'kv_bytes_from_memory', 'profile_kv_bytes', 'default_pool_blocks', 'paged_cache']
 
 # %% ../../chapters/06_paged_attention.ipynb #c30-paged
 class PagedKVCache(PackedSteps, KVCache):
@@ -93,9 +114,7 @@ def _check_pool_fits(cls, model, num_blocks, kv_cache_bytes, block_size) -> None
         raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no block: "
                          f"one block of {block_size} tokens needs {per_block} "
                          "bytes")
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) \
-            or num_blocks < 1:
-        raise ValueError(f"num_blocks={num_blocks!r}: must be an int >= 1")
+    check_int("num_blocks", num_blocks)
     asked = (f"num_blocks={num_blocks}" if kv_cache_bytes is None
              else f"kv_cache_bytes={kv_cache_bytes} ({num_blocks} blocks)")
     check_kv_fits(num_blocks * per_block, w.device, f"{asked} of {block_size} tokens",
@@ -131,10 +150,12 @@ def _allocate(self, seq: Sequence) -> int:
 
 
 def _cached_tokens(self, seq: Sequence) -> int:
-    """Tokens of the request that the prefix cache holds (before allocate)."""
-    self.check_weights()
-    return (len(self.blocks.cached_prefix(token_ids(seq), seq.request_id))
-            * self.block_size)
+    """Tokens of the request that the prefix cache holds (before allocate); a hit
+    counts only if the weights that computed it are still the model's."""
+    found = self.blocks.cached_prefix(token_ids(seq), seq.request_id)
+    if found and self.check_weights():  # they changed: the cache is forgotten
+        found = []
+    return len(found) * self.block_size
 
 
 PagedKVCache.can_allocate, PagedKVCache.allocate = _can_allocate, _allocate
@@ -169,14 +190,18 @@ def weights_version(model: torch.nn.Module) -> tuple:
                  for t in itertools.chain(model.parameters(), model.buffers()))
 
 
-def _check_weights(self) -> None:
-    """Forget the prefix cache if the model's weights changed since it was filled."""
-    if self.model is not None and self.prefix_caching:
-        version = weights_version(self.model)
-        if version != self.weights:
-            if self.weights is not None:  # None: nothing cached before this look
-                self.reset_prefix_cache()
-            self.weights = version
+def _check_weights(self) -> bool:
+    """Forget the prefix cache if the model's weights changed since it was filled
+    (the version commit noted); True if they did. It walks every weight, so it runs
+    only when a hit is about to be used, never once per step."""
+    if self.model is None or not self.prefix_caching:
+        return False
+    version = weights_version(self.model)
+    changed = self.weights is not None and version != self.weights
+    if changed:
+        self.reset_prefix_cache()
+    self.weights = version
+    return changed
 
 
 def _reset_prefix_cache(self) -> bool:
@@ -213,6 +238,8 @@ def _commit(self, seqs: list[Sequence] | None = None) -> None:
     """The step's forward wrote every layer: the blocks it filled are final, and
     from now on other requests may share them (prefix caching). seqs: the step's
     requests, whose num_computed_tokens say how far (None: every block)."""
+    if self.weights is None and self.model is not None and self.prefix_caching:
+        self.weights = weights_version(self.model)  # once: what computes the K/V
     self.blocks.publish(None if seqs is None else
                         {s.request_id: s.num_computed_tokens for s in seqs})
 
@@ -361,7 +388,7 @@ def paged_cache(model, max_num_seqs: int, max_model_len: int,
 
 register_kv_backend("paged", paged_cache, default_for=["continuous"], options=[
     "num_blocks", "kv_cache_bytes", "block_size", "enable_prefix_caching",
-    "gpu_memory_utilization"], scheduler=PagedScheduler)  # LLM(...) uses blocks now
+    "gpu_memory_utilization"])  # LLM(...) uses blocks now
 
 # %% ../../chapters/06_paged_attention.ipynb #c72n2-fork
 def _fork(self, parent: Sequence, child: Sequence) -> bool:
@@ -381,3 +408,22 @@ def _fork(self, parent: Sequence, child: Sequence) -> bool:
 
 
 PagedKVCache.fork = _fork
+
+# %% ../../chapters/06_paged_attention.ipynb #c72n3-lookahead
+def _reserve(self, seq: Sequence, k: int) -> int:
+    """Room for k positions after the request's tokens, in new blocks while free
+    ones last (chapter 10's drafts): how many of them fit."""
+    return self.blocks.reserve(seq.request_id, seq.num_tokens, k)
+
+
+def _trim(self, seq: Sequence, accepted: list[int]) -> None:
+    """After a step that wrote past the request's tokens: the blocks the accepted
+    ones filled are named (the prefix cache shares them once committed); the
+    blocks past the verified positions go back."""
+    if accepted:
+        self.blocks.name_filled(seq.request_id, token_ids(seq, accepted),
+                                seq.num_tokens)
+    self.blocks.trim(seq.request_id, seq.num_computed_tokens)
+
+
+PagedKVCache.reserve, PagedKVCache.trim = _reserve, _trim

@@ -109,6 +109,20 @@ def _usage(self) -> tuple[int, int]:
 SlotKVCache.cached_tokens = _cached_tokens
 SlotKVCache.too_long, SlotKVCache.usage = _too_long, _usage
 
+# %% ../../chapters/04_continuous_batching.ipynb #c14-slots-look
+def _reserve(self, seq: Sequence, k: int) -> int:
+    """Room for k positions after the request's tokens: a row holds every position
+    a request may reach, so all k (chapter 10 writes drafts there)."""
+    return k
+
+
+def _trim(self, seq: Sequence, accepted: list[int]) -> None:
+    """Positions written past the accepted tokens are written over by the next
+    step: nothing to give back."""
+
+
+SlotKVCache.reserve, SlotKVCache.trim = _reserve, _trim
+
 # %% ../../chapters/04_continuous_batching.ipynb #c14-slots-s1
 def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
     """The slots of positions start .. end-1 of `seq`."""

@@ -6,7 +6,5 @@ server in a background thread). Needs the `serve` extra: fastapi, uvicorn,
 prometheus_client."""
 
 # Later chapters register their parts of the server (command-line flags, metrics, request
-# fields) in chapter 9's registries; importing any part of the server imports them, so a
-# server built with build_app() is the whole server, as `import minillm` is the whole engine.
-from ..spec import serve as _spec  # noqa: E402,F401  --speculative-config, spec_decode_*
-from ..structured import serve as _structured  # noqa: E402,F401  response_format
+# fields) in chapter 9's registries; minillm/features.py names them, and each registry's
+# reader loads them on first use.

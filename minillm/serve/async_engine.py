@@ -285,7 +285,7 @@ def _publish(self) -> None:
     """A fresh EngineStats (one assignment: other threads read it safely)."""
     sched = self.engine.scheduler
     reserved, capacity = self.engine.kv.usage()
-    self.stats = EngineStats(len(sched.running), len(sched.waiting),
+    self.stats = EngineStats(len(sched.running), sched.num_waiting(),
                              reserved, capacity, self._added)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
+from .. import features
 from ..loader import QUANTIZATIONS
 
 # Engine flags a later chapter adds: "--flag" -> (the LLM(...) keyword it becomes,
@@ -64,14 +65,15 @@ def _engine_flags(add) -> None:
     add("--dtype", default=None, help="the weights' float type (float32, "
         "bfloat16, float16, or auto: on a CPU bfloat16 where measured faster); "
         "None: the device's default")
-    add("--quantization", default=None, choices=sorted(QUANTIZATIONS),
+    modes = sorted(features.registry(QUANTIZATIONS))  # chapter 5's
+    add("--quantization", default=None, choices=modes,
         help="INT8 weights (Chapter 5); None: the weights as stored")
     add("--seed", type=seed, default=None, help="the seed of requests that give "
         "none: the same answers from one start to the next; None: random")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         default=None, help="share the KV blocks of prompts that start alike "
         "(Chapter 6); None: the engine's default (on)")
-    for flag, (keyword, kwargs) in ENGINE_FLAGS.items():  # later chapters' flags
+    for flag, (keyword, kwargs) in features.registry(ENGINE_FLAGS).items():  # later
         add(flag, dest=keyword, **kwargs)
 
 # %% auto #0
@@ -118,7 +120,7 @@ def engine_args(args: argparse.Namespace) -> dict:
               dtype=args.dtype, quantization=args.quantization, seed=args.seed)
     if args.enable_prefix_caching is not None:
         kw["enable_prefix_caching"] = args.enable_prefix_caching
-    for keyword, _ in ENGINE_FLAGS.values():  # later chapters' flags, when given
+    for keyword, _ in features.registry(ENGINE_FLAGS).values():  # when given
         if getattr(args, keyword, None) is not None:
             kw[keyword] = getattr(args, keyword)
     return kw

@@ -7,6 +7,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 
+from .. import features
+
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -53,7 +55,7 @@ class ServerMetrics:
         self._success = Counter("minillm:request_success", "Finished requests.",
                                  labelnames=["model_name", "finished_reason"],
                                  registry=self.registry)
-        for collect in METRIC_COLLECTORS:  # what later chapters measure
+        for collect in features.registry(METRIC_COLLECTORS):  # later chapters'
             collect(self.registry, model_name, engine)
 
 # %% ../../chapters/09_serving.ipynb #s31-observe

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .. import features
 from ..sampling import SamplingParams
 
 
@@ -96,7 +97,8 @@ class CommonRequest(BaseModel):
         values = {f: getattr(self, f) for f in SAMPLING_FIELDS}
         values["logit_bias"] = api_logit_bias(self.logit_bias)  # "50" -> 50
         values["prompt_logprobs"] = getattr(self, "prompt_logprobs", None)
-        for name, to_params in REQUEST_FIELDS.items():  # later chapters' fields
+        later = features.registry(REQUEST_FIELDS)  # later chapters' fields
+        for name, to_params in later.items():
             if getattr(self, name, None) is not None:
                 values.update(to_params(getattr(self, name)))
         import minillm  # the front door's SamplingParams: every chapter's fields
@@ -169,6 +171,8 @@ def check_request(body) -> None:
     top_logprobs without logprobs, a temperature outside OpenAI's [0, 2]: each
     is a 400 naming the field, never silently ignored."""
     for field, harmless in OFF.items():
+        if field in features.registry(REQUEST_FIELDS):
+            continue  # a later chapter supports it now (chapter 11: response_format)
         value = getattr(body, field, None)
         if value is not None and value not in harmless and not (
                 field == "best_of" and value == body.n):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.runner import ModelRunner
-from ..kv.base import make_kv
+from ..kv.slots import SlotKVCache
 from ..sequence import Sequence, block_early_stop
 from .rejection import draw, sampling_probs
 
@@ -67,8 +67,7 @@ class DraftModelProposer:
     """vLLM's draft model: a small model drafts, with a KV cache of its own (slots)."""
 
     def __init__(self, draft, max_num_seqs: int, max_model_len: int):
-        kv, _ = make_kv("slots", {}, draft, max_num_seqs, max_model_len,
-                        "continuous", max_model_len)
+        kv = SlotKVCache.from_model(draft, max_num_seqs, max_model_len)
         self.runner = ModelRunner(draft, kv)
         self.done: dict[str, int] = {}  # request id -> positions its cache holds
 

@@ -88,7 +88,7 @@ def _propose(self, batch) -> tuple[list, list]:
     generators = [self.base.generators.get(s.request_id) for s in batch.seqs]
     drafts, q = self.proposer.propose(batch.seqs, room, generators)
     for i, s in enumerate(batch.seqs):  # memory for the drafts, as far as it goes
-        fits = self.base.kv.reserve_drafts(s, len(drafts[i])) if drafts[i] else 0
+        fits = self.base.kv.reserve(s, len(drafts[i])) if drafts[i] else 0
         if fits < len(drafts[i]):  # the draft model computed drafts we drop
             self.proposer.rollback(s, s.num_tokens + fits)
         drafts[i] = drafts[i][:fits]
@@ -161,7 +161,7 @@ def _settle(self, batch, drafts: list, out: list) -> None:
         accepted = o[:-1] if d and isinstance(o, list) else []
         s.num_computed_tokens += n + len(accepted)
         if d:
-            kv.settle_drafts(s, accepted)
+            kv.trim(s, accepted)
             self.proposer.rollback(s, s.num_computed_tokens)
             self.stats.add(len(d), len(accepted))
     kv.commit(batch.seqs)
@@ -171,7 +171,7 @@ def _give_back(self, batch, drafts: list) -> None:
     """A step that failed: its drafts' blocks go back, the draft model forgets them."""
     for s, d in zip(batch.seqs, drafts):
         if d and not s.is_finished:
-            self.base.kv.settle_drafts(s, [])
+            self.base.kv.trim(s, [])
             self.proposer.rollback(s, s.num_tokens)
 
 

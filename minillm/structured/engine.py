@@ -5,26 +5,36 @@
 from __future__ import annotations
 
 import time
-import types
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from ..engine.llm_engine import ENGINE_OPTIONS, LLMEngine
+from ..engine.config import register_engine_option
+from ..engine.llm_engine import REQUEST_CHECKS
 from .backends import BACKENDS, token_vocab, xgrammar_available
 
 # %% auto #0
-__all__ = ['apply_bitmask', 'GrammarState', 'StructuredOutputManager', 'structured_outputs_option',
-           'check_structured_outputs_config']
+__all__ = ['apply_bitmask', 'GrammarState', 'StructuredOutputManager', 'compile_constraint', 'structured_outputs_option',
+           'add_manager', 'check_structured_outputs_config']
 
 # %% ../../chapters/11_structured_output.ipynb #s72-apply
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [B, V] with -inf where row b's bitmask [B, ceil(V/32)] has a 0 bit."""
-    ids = torch.arange(logits.shape[-1], device=logits.device)
-    words = bitmask.to(logits.device, non_blocking=True)[:, ids // 32]
-    allowed = (words >> (ids % 32)) & 1
+    word, bit = _bit_index(logits.shape[-1], logits.device)
+    words = bitmask.to(logits.device, non_blocking=True)[:, word]
+    allowed = (words >> bit) & 1
     return logits.masked_fill(allowed == 0, float("-inf"))
+
+
+_BIT_INDEX: dict = {}  # (V, device) -> (token // 32, token % 32), made once
+
+
+def _bit_index(vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    if (vocab, device) not in _BIT_INDEX:
+        ids = torch.arange(vocab, device=device)
+        _BIT_INDEX[vocab, device] = ids // 32, ids % 32
+    return _BIT_INDEX[vocab, device]
 
 
 @dataclass
@@ -91,28 +101,30 @@ def _fill(self, row, bitmask: torch.Tensor, i: int) -> None:
 StructuredOutputManager.fill = _fill
 
 # %% ../../chapters/11_structured_output.ipynb #s74-option
-def _check_fits(self, seq) -> None:
-    """Chapter 4's check, then the request's constraint compiled (or refused)."""
-    LLMEngine._check_fits(self, seq)
+def compile_constraint(engine, seq) -> None:
+    """A request's constraint compiled (or refused) before it is queued: one of
+    chapter 4's REQUEST_CHECKS."""
     so = getattr(seq.params, "structured_outputs", None)
     if so is not None:
-        self.structured_output_manager.compile(so)
+        engine.structured_output_manager.compile(so)
 
 
-def structured_outputs_option(config):
-    """LLMEngine(..., structured_outputs_config={"backend": ...}), vLLM's name;
-    every engine gets a manager ("auto": xgrammar when it is installed)."""
-    backend = check_structured_outputs_config(config)
-
-    def apply(engine):
-        manager = StructuredOutputManager(engine, backend)
-        engine.structured_output_manager = manager
-        engine.runner.logits_processors.append(manager)
-        engine._check_fits = types.MethodType(_check_fits, engine)
-    return apply
+def structured_outputs_option(config) -> str:
+    """LLMEngine(..., structured_outputs_config={"backend": ...}), vLLM's name ->
+    the backend's name: every engine gets a manager ("auto": xgrammar when it is
+    installed)."""
+    return check_structured_outputs_config(config)
 
 
-ENGINE_OPTIONS["structured_outputs_config"] = structured_outputs_option
+def add_manager(engine, backend: str) -> None:
+    manager = StructuredOutputManager(engine, backend)
+    engine.structured_output_manager = manager
+    engine.runner.logits_processors.append(manager)
+
+
+register_engine_option("structured_outputs_config", structured_outputs_option,
+                       add_manager, order=95)  # after chapter 10's runner
+REQUEST_CHECKS.append(compile_constraint)
 
 # %% ../../chapters/11_structured_output.ipynb #s74b-backend
 def _backend(self):

@@ -4,7 +4,7 @@
 """Chapter 11 in the server: OpenAI's response_format, in chapter 9's REQUEST_FIELDS."""
 from __future__ import annotations
 
-from ..serve.protocol import OFF, REQUEST_FIELDS, APIError
+from ..serve.protocol import REQUEST_FIELDS, APIError
 from .params import StructuredOutputsParams
 
 
@@ -32,8 +32,7 @@ def response_format_params(value: dict) -> dict:
         raise APIError(400, f"response_format: {e}", param="response_format") from None
 
 
-REQUEST_FIELDS["response_format"] = response_format_params
-OFF.pop("response_format", None)  # supported now
+REQUEST_FIELDS["response_format"] = response_format_params  # no longer refused
 
 # %% auto #0
 __all__ = ['response_format_params']

@@ -1,0 +1,55 @@
+"""What the later chapters add to the earlier ones, named in one place (written by hand).
+
+An earlier chapter keeps a registry (a dict) that later chapters fill by name: chapter 5's
+quantization modes, chapter 6's paged KV cache and its scheduler, chapter 7's engine
+options, and so on. The registry's reader asks `registry(THE_DICT)` before it looks inside,
+which imports, once, the modules listed here for it. So what runs is decided by this file,
+not by which module happened to be imported first, and `import minillm.tokenizer` loads no
+engine.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# registry (the dict's module and name) -> the modules that fill it, in this order
+FEATURES: dict[str, tuple[str, ...]] = {
+    "minillm.loader.QUANTIZATIONS": ("minillm.quant",),                  # chapter 5
+    "minillm.loader.DTYPE_RULES": ("minillm.perf",),                     # chapter 7
+    "minillm.kv.base.KV_BACKENDS": ("minillm.kv.slots",                  # chapter 4
+                                    "minillm.kv.paged"),                 # chapter 6
+    "minillm.kv.base.DEFAULT_KV_CACHE": ("minillm.kv.paged",),           # chapter 6
+    "minillm.engine.scheduler.SCHEDULERS": ("minillm.engine.paged_scheduler",),  # 6
+    "minillm.engine.config.ENGINE_OPTIONS": ("minillm.engine.graphs",    # chapter 7
+                                             "minillm.spec.engine",      # chapter 10
+                                             "minillm.structured.engine"),  # chapter 11
+    "minillm.serve.protocol.REQUEST_FIELDS": ("minillm.structured.serve",),  # ch. 11
+    "minillm.serve.cli.ENGINE_FLAGS": ("minillm.spec.serve",),             # ch. 10
+    "minillm.serve.metrics.METRIC_COLLECTORS": ("minillm.spec.serve",),    # ch. 10
+}
+_loaded: set[str] = set()
+
+
+def load(name: str) -> None:
+    """Import the modules that fill registry `name` (once; a no-op for others)."""
+    if name in _loaded:
+        return
+    _loaded.add(name)
+    for module in FEATURES.get(name, ()):
+        importlib.import_module(module)
+
+
+def registry(table: dict) -> dict:
+    """`table`, one of the registries above, filled: its modules imported first."""
+    for name in FEATURES:
+        module, _, attr = name.rpartition(".")
+        mod = sys.modules.get(module)
+        if mod is not None and getattr(mod, attr, None) is table:
+            load(name)
+    return table
+
+
+def load_all() -> None:
+    """Every later chapter's part (what `import minillm` gave before this module)."""
+    for name in FEATURES:
+        load(name)
