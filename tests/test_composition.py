@@ -81,6 +81,14 @@ def test_conflicting_options_are_refused_before_any_memory_is_taken(model, monke
         LLMEngine(model, cuda_graphs=True, compile_decode=True)
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLMEngine(model, max_num_seqs=0)
+    with pytest.raises(ValueError, match="block_size=3"):  # the backend's own
+        LLMEngine(model, block_size=3)
+    with pytest.raises(ValueError, match="enable_prefix_caching='yes'"):
+        LLMEngine(model, enable_prefix_caching="yes")
+    with pytest.raises(ValueError, match="policy='static'"):  # paged is continuous
+        LLMEngine(model, kv_cache="paged", policy="static")
+    with pytest.raises(ValueError, match="speculative_config needs policy='continuous'"):
+        LLMEngine(model, kv_cache="slots", policy="static", speculative_config=NGRAM)
 
 
 def test_a_huge_max_num_seqs_is_refused_at_once(model):
