@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _FRONT = {"LLM": "minillm.engine.llm", "LLMEngine": "minillm.engine.llm_engine",
           "RequestOutput": "minillm.engine.outputs",
           "CompletionOutput": "minillm.engine.outputs",
-          "SamplingParams": "minillm.structured.params",  # chapter 2's + chapter 11's
+          "SamplingParams": "minillm.sampling",  # chapter 2's (11 registers a field)
           "StructuredOutputsParams": "minillm.structured.params",
           "TextPrompt": "minillm.inputs", "TokensPrompt": "minillm.inputs"}
 __all__ = list(_FRONT)

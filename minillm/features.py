@@ -14,6 +14,7 @@ import sys
 
 # registry (the dict's module and name) -> the modules that fill it, in this order
 FEATURES: dict[str, tuple[str, ...]] = {
+    "minillm.sampling.SAMPLING_FIELDS": ("minillm.structured.params",),  # chapter 11
     "minillm.loader.QUANTIZATIONS": ("minillm.quant",),                  # chapter 5
     "minillm.loader.DTYPE_RULES": ("minillm.perf",),                     # chapter 7
     "minillm.kv.base.KV_BACKENDS": ("minillm.kv.slots",                  # chapter 4

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import features
+
 MIN_TEMPERATURE = MIN_PENALTY = 0.01  # smaller ones overflow float32 logits (inf)
 MAX_TEMPERATURE = MAX_PENALTY = 100.0
 MAX_LOGPROBS = 20  # as the OpenAI API allows
@@ -54,9 +56,9 @@ def _rows(x, B: int, name: str) -> list:
 
 # %% auto #0
 __all__ = ['MIN_TEMPERATURE', 'MIN_PENALTY', 'MAX_TEMPERATURE', 'MAX_PENALTY', 'MAX_LOGPROBS', 'MAX_N', 'MAX_STOP_STRINGS',
-           'MAX_STOP_STRING_LEN', 'MAX_STOP_TOKEN_IDS', 'MAX_LOGIT_BIAS', 'MAX_BIAS', 'SamplingParams',
-           'check_sampling_params', 'make_generator', 'apply_repetition_penalty', 'apply_presence_frequency',
-           'apply_logit_bias', 'NonFiniteLogitsError', 'filter_logits', 'sample']
+           'MAX_STOP_STRING_LEN', 'MAX_STOP_TOKEN_IDS', 'MAX_LOGIT_BIAS', 'MAX_BIAS', 'SAMPLING_FIELDS',
+           'SamplingParams', 'check_sampling_params', 'make_generator', 'apply_repetition_penalty',
+           'apply_presence_frequency', 'apply_logit_bias', 'NonFiniteLogitsError', 'filter_logits', 'sample']
 
 # %% ../chapters/02_naive_loop.ipynb #c035p
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # {token id: added to its logit}
     skip_special_tokens: bool = True  # leave <|im_end|> & co. out of the text
     include_stop_str_in_output: bool = False  # keep the stop string in the text
+    extra_args: dict | None = None  # later chapters' fields, by name (hidden below)
 
     def __post_init__(self):  # every field checked and normalised (hidden below)
         check_sampling_params(self)
@@ -98,6 +101,44 @@ class SamplingParams:
         """Does any penalty need the tokens seen so far?"""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+# %% ../chapters/02_naive_loop.ipynb #c035p2-fields
+SAMPLING_FIELDS: dict = {}  # a later chapter's field -> check(value, params), which
+#                             returns the value kept (chapter 11: structured_outputs)
+_dataclass_init = SamplingParams.__init__
+
+
+def _init(self, *args, **kwargs) -> None:
+    """The dataclass's __init__, with the later chapters' fields (SAMPLING_FIELDS)
+    as keywords too: they are kept in extra_args (vLLM's name) and read back as
+    attributes, so there is one SamplingParams class whatever chapter adds one."""
+    later = features.registry(SAMPLING_FIELDS)
+    given = {k: kwargs.pop(k) for k in list(kwargs) if k in later}
+    if given:
+        kwargs["extra_args"] = {**(kwargs.get("extra_args") or {}), **given}
+    _dataclass_init(self, *args, **kwargs)
+
+
+def _getattr(self, name: str):
+    """params.structured_outputs & co.: a later chapter's field (None: not given)."""
+    if not name.startswith("__") and name in SAMPLING_FIELDS:
+        return (self.extra_args or {}).get(name)
+    raise AttributeError(f"'SamplingParams' object has no attribute {name!r}")
+
+
+def _check_extra_args(self: SamplingParams, bad) -> dict | None:
+    """Each later chapter's field checked by its own check; no other key is taken
+    (a field nobody reads would be ignored silently)."""
+    extra = self.extra_args
+    if extra is None:
+        return None
+    if not isinstance(extra, dict) or set(extra) - set(SAMPLING_FIELDS):
+        bad("extra_args", f"None or a dict with the keys {sorted(SAMPLING_FIELDS)}")
+    kept = {k: SAMPLING_FIELDS[k](v, self) for k, v in extra.items()}
+    return {k: v for k, v in kept.items() if v is not None} or None
+
+
+SamplingParams.__init__, SamplingParams.__getattr__ = _init, _getattr
 
 # %% ../chapters/02_naive_loop.ipynb #c035q
 def check_sampling_params(self: SamplingParams) -> None:
@@ -167,6 +208,7 @@ def check_sampling_params(self: SamplingParams) -> None:
     put("top_k", max(int(self.top_k), 0))  # -1 (vLLM's old "off") is 0
     put("stop", stop)
     put("stop_token_ids", tuple(int(t) for t in ids))
+    put("extra_args", _check_extra_args(self, bad))  # chapter 11's field, ...
 
 
 def _check_logit_bias(bias, bad) -> dict[int, float] | None:

@@ -81,6 +81,14 @@ def test_conflicting_options_are_refused_before_any_memory_is_taken(model, monke
         LLMEngine(model, cuda_graphs=True, compile_decode=True)
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLMEngine(model, max_num_seqs=0)
+    with pytest.raises(ValueError, match="block_size=3"):  # the backend's own
+        LLMEngine(model, block_size=3)
+    with pytest.raises(ValueError, match="enable_prefix_caching='yes'"):
+        LLMEngine(model, enable_prefix_caching="yes")
+    with pytest.raises(ValueError, match="policy='static'"):  # paged is continuous
+        LLMEngine(model, kv_cache="paged", policy="static")
+    with pytest.raises(ValueError, match="speculative_config needs policy='continuous'"):
+        LLMEngine(model, kv_cache="slots", policy="static", speculative_config=NGRAM)
 
 
 def test_a_huge_max_num_seqs_is_refused_at_once(model):
@@ -332,3 +340,29 @@ def test_answers_held_for_their_prompt_count_as_waiting(model):
     slots = LLMEngine(model, max_num_seqs=1, max_model_len=128, kv_cache="slots")
     slots.add_request([8, 9, 10], SamplingParams(n=3, max_tokens=5, seed=0))
     assert slots.scheduler.num_waiting() == 3  # chapter 4 holds none back
+
+
+def test_one_sampling_params_class_takes_every_chapters_fields():
+    """Chapter 11's structured_outputs is a field registered in chapter 2's
+    SAMPLING_FIELDS, not a subclass swapped in at the front door."""
+    import dataclasses
+
+    import minillm
+    from minillm import sampling
+    from minillm.structured import params as structured
+    assert minillm.SamplingParams is sampling.SamplingParams
+    assert not any(isinstance(v, type) and issubclass(v, sampling.SamplingParams)
+                   for v in vars(structured).values())
+    p = sampling.SamplingParams(structured_outputs={"regex": "a+"}, max_tokens=4)
+    assert p.structured_outputs == structured.StructuredOutputsParams(regex="a+")
+    assert dataclasses.replace(p, temperature=0.5).structured_outputs == \
+        p.structured_outputs
+    assert sampling.SamplingParams().structured_outputs is None
+    with pytest.raises(ValueError, match=r"extra_args=\{'foo': 1\} is not allowed"):
+        sampling.SamplingParams(extra_args={"foo": 1})  # nothing silently ignored
+    with pytest.raises(ValueError, match="ignore_eos=True"):  # checked with the rest
+        sampling.SamplingParams(structured_outputs={"regex": "a"}, ignore_eos=True)
+    out = python("from minillm.sampling import SamplingParams\n"
+                 "print(SamplingParams(structured_outputs={'choice': ['x']})"
+                 ".structured_outputs.kind)")
+    assert out.strip() == "choice"

@@ -30,7 +30,8 @@ from minillm.structured.fsm import (DFA, MAX_DFA_STATES, FSMGrammar, FSMMatcher,
                                     int_range_regex,
                                     allowed_tokens, pack_bits, parse_regex,
                                     schema_regex, token_groups)
-from minillm.structured.params import (MAX_CHOICES, MAX_SPEC_CHARS, SamplingParams,
+from minillm.sampling import SamplingParams
+from minillm.structured.params import (MAX_CHOICES, MAX_SPEC_CHARS,
                                        StructuredOutputsParams)
 from minillm.utils import bundled_model_path
 

@@ -27,7 +27,8 @@ from .results import file_stem, rows_table, write_csvs
 from ..engine.llm import LLM
 from ..loader import load_model
 from ..structured.backends import BACKENDS, token_vocab, xgrammar_available
-from ..structured.params import SamplingParams, StructuredOutputsParams
+from ..sampling import SamplingParams
+from ..structured.params import StructuredOutputsParams
 from ..tokenizer import Tokenizer
 from ..utils import synchronize
 

@@ -23,19 +23,23 @@ class EngineOption:
     """An option a later chapter adds to LLMEngine: check(value, or None when left
     out) -> the value kept in EngineConfig.options (None: off); apply(engine, value)
     once the engine's parts are built, in `order`, lower first (chapter 7's runners
-    before chapter 10's wrapper around them); `excludes`: options it cannot go with."""
+    before chapter 10's wrapper around them); `excludes`: options it cannot go with;
+    `needs`: the config's values it needs (chapter 10: {"policy": "continuous"})."""
     check: Callable
     apply: Callable
     order: int
     excludes: tuple[str, ...] = ()
+    needs: tuple[tuple[str, object], ...] = ()
 
 
 ENGINE_OPTIONS: dict[str, EngineOption] = {}  # by name (chapters 7, 10, 11)
 
 
 def register_engine_option(name: str, check: Callable, apply: Callable, order: int,
-                           excludes: tuple[str, ...] = ()) -> None:
-    ENGINE_OPTIONS[name] = EngineOption(check, apply, order, tuple(excludes))
+                           excludes: tuple[str, ...] = (),
+                           needs: dict | None = None) -> None:
+    ENGINE_OPTIONS[name] = EngineOption(check, apply, order, tuple(excludes),
+                                        tuple((needs or {}).items()))
 
 # %% auto #0
 __all__ = ['MAX_NUM_SEQS', 'ENGINE_OPTIONS', 'FIELDS', 'EngineOption', 'register_engine_option', 'EngineConfig',
@@ -102,7 +106,7 @@ def check_engine_config(c: EngineConfig) -> None:
     name = DEFAULT_KV_CACHE[c.policy] if c.kv_cache is None else c.kv_cache
     if not isinstance(name, str) or name not in backends:
         raise ValueError(f"kv_cache={c.kv_cache!r}: allowed {sorted(backends)}")
-    c.kv_cache, allowed = name, backends[name][1]
+    c.kv_cache, (_, allowed, check_kv) = name, backends[name]
     options = features.registry(ENGINE_OPTIONS)
     unknown = sorted(set(c.kv_options) - set(allowed)) + sorted(
         set(c.options) - set(options))
@@ -110,8 +114,13 @@ def check_engine_config(c: EngineConfig) -> None:
         raise ValueError(f"{unknown}: not an option of LLMEngine; it takes "
                          f"{list(FIELDS)}, kv_cache={name!r} takes {list(allowed)}, "
                          f"and {sorted(options)}")
+    if check_kv is not None:
+        check_kv(c)  # the backend's own options (chapter 6: block_size, ...)
     c.options = {k: o.check(c.options.get(k)) for k, o in options.items()}
     for name, option, _ in c.ordered_options():
         clash = [x for x in option.excludes if c.options.get(x) is not None]
         if clash:
             raise ValueError(f"{name} and {clash[0]} cannot go together: give one")
+        for field_name, value in option.needs:
+            if getattr(c, field_name) != value:
+                raise ValueError(f"{name} needs {field_name}={value!r}")

@@ -51,15 +51,18 @@ __all__ = ['KV_BACKENDS', 'DEFAULT_KV_CACHE', 'KVBackend', 'register_kv_backend'
            'PackedSteps']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c13d-registry
-KV_BACKENDS: dict[str, tuple] = {}  # name -> (build, its options)
+KV_BACKENDS: dict[str, tuple] = {}  # name -> (build, its options, check)
 DEFAULT_KV_CACHE = {"continuous": "slots", "static": "slots"}  # policy -> name
 
 
-def register_kv_backend(name: str, build, options=(), default_for=()) -> None:
+def register_kv_backend(name: str, build, options=(), default_for=(),
+                        check=None) -> None:
     """LLMEngine(kv_cache=name, **options) calls build(model, max_num_seqs,
     max_model_len, policy, max_num_batched_tokens, **options); default_for:
-    the scheduling policies that use this backend when kv_cache is None."""
-    KV_BACKENDS[name] = (build, tuple(options))
+    the scheduling policies that use this backend when kv_cache is None;
+    check(config): its options checked with the engine's, before anything is
+    built (None: nothing to check)."""
+    KV_BACKENDS[name] = (build, tuple(options), check)
     for policy in default_for:
         DEFAULT_KV_CACHE[policy] = name
 
@@ -67,7 +70,7 @@ def register_kv_backend(name: str, build, options=(), default_for=()) -> None:
 def make_kv(cfg, model):
     """The engine's KV backend, as its checked config names it (cfg.kv_cache and
     cfg.kv_options, an EngineConfig's)."""
-    build, _ = KV_BACKENDS[cfg.kv_cache]
+    build = KV_BACKENDS[cfg.kv_cache][0]
     return build(model, cfg.max_num_seqs, cfg.max_model_len, cfg.policy,
                  cfg.max_num_batched_tokens, **cfg.kv_options)
 

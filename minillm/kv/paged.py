@@ -43,7 +43,7 @@ def token_ids(seq: Sequence, more: list[int] = ()) -> TokenView:
 
 # %% auto #0
 __all__ = ['DEFAULT_KV_SPACE', 'TokenView', 'token_ids', 'PagedKVCache', 'weights_version', 'check_utilization',
-           'kv_bytes_from_memory', 'profile_kv_bytes', 'default_pool_blocks', 'paged_cache']
+           'check_paged_options', 'kv_bytes_from_memory', 'profile_kv_bytes', 'default_pool_blocks', 'paged_cache']
 
 # %% ../../chapters/06_paged_attention.ipynb #c30-paged
 class PagedKVCache(PackedSteps, KVCache):
@@ -290,6 +290,20 @@ def _no_room_for_kv(utilization, total, used, rise, allowed) -> KVMemoryError:
         "max_num_batched_tokens, or use a smaller model")
 
 
+def check_paged_options(cfg) -> None:
+    """kv_cache="paged"'s options, checked with the rest of the engine's config
+    (chapter 4's EngineConfig), before any memory is taken."""
+    o = cfg.kv_options
+    _check_paged_args(cfg.policy, o.get("gpu_memory_utilization"),
+                      o.get("num_blocks"), o.get("kv_cache_bytes"))
+    check_block_size(o.get("block_size", 16))
+    if o.get("num_blocks") is not None:
+        check_int("num_blocks", o["num_blocks"])
+    if not isinstance(o.get("enable_prefix_caching", True), bool):
+        raise ValueError(f"enable_prefix_caching={o['enable_prefix_caching']!r}: "
+                         "must be True or False")
+
+
 def _check_paged_args(policy, gpu_memory_utilization, num_blocks,
                       kv_cache_bytes) -> None:
     """paged_cache's arguments: continuous batching, and one way to size the pool."""
@@ -366,8 +380,8 @@ def paged_cache(model, max_num_seqs: int, max_model_len: int,
     """The KV pool of LLMEngine(kv_cache="paged"). The pool is num_blocks blocks,
     or as many as fit in kv_cache_bytes, or (on a GPU) in what gpu_memory_utilization
     leaves after a warm-up step of max_num_batched_tokens tokens; none of them: as
-    many positions as chapter 4's slots would reserve, up to a ceiling."""
-    _check_paged_args(policy, gpu_memory_utilization, num_blocks, kv_cache_bytes)
+    many positions as chapter 4's slots would reserve, up to a ceiling. (Its
+    options were checked with the engine's: check_paged_options.)"""
     if gpu_memory_utilization is not None:
         kv_cache_bytes = profile_kv_bytes(model, gpu_memory_utilization,
                                           max_num_batched_tokens, max_model_len)
@@ -388,7 +402,7 @@ def paged_cache(model, max_num_seqs: int, max_model_len: int,
 
 register_kv_backend("paged", paged_cache, default_for=["continuous"], options=[
     "num_blocks", "kv_cache_bytes", "block_size", "enable_prefix_caching",
-    "gpu_memory_utilization"])  # LLM(...) uses blocks now
+    "gpu_memory_utilization"], check=check_paged_options)  # LLM(...) uses blocks now
 
 # %% ../../chapters/06_paged_attention.ipynb #c72n2-fork
 def _fork(self, parent: Sequence, child: Sequence) -> bool:

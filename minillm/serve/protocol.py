@@ -101,10 +101,8 @@ class CommonRequest(BaseModel):
         for name, to_params in later.items():
             if getattr(self, name, None) is not None:
                 values.update(to_params(getattr(self, name)))
-        import minillm  # the front door's SamplingParams: every chapter's fields
-        try:
-            return minillm.SamplingParams(**values, max_tokens=max_tokens,
-                                          logprobs=logprobs)
+        try:  # chapter 2's class takes every chapter's fields
+            return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
         except ValueError as e:
             raise bad_request(e, names) from None
 

@@ -23,8 +23,6 @@ def speculative_option(config) -> dict | None:
 def apply_speculation(engine, c: dict) -> None:
     """Wrap the engine's runner, whichever it is (chapter 7's come first, by their
     order): its steps now hand each request a list of tokens."""
-    if engine.scheduler.policy != "continuous":
-        raise ValueError("speculative_config needs policy='continuous'")
     engine.runner = SpeculativeRunner(engine.runner, make_proposer(c, engine),
                                       c["num_speculative_tokens"],
                                       engine.scheduler.max_num_batched_tokens)
@@ -32,7 +30,7 @@ def apply_speculation(engine, c: dict) -> None:
 
 
 register_engine_option("speculative_config", speculative_option,
-                       apply_speculation, order=90)
+                       apply_speculation, order=90, needs={"policy": "continuous"})
 
 # %% ../../chapters/10_speculative.ipynb #c75-config
 SPEC_METHODS = ("ngram", "draft_model")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .. import sampling
 
 # %% auto #0
-__all__ = ['KINDS', 'MAX_SPEC_CHARS', 'MAX_CHOICES', 'MAX_CHOICE_CHARS', 'StructuredOutputsParams', 'SamplingParams',
+__all__ = ['KINDS', 'MAX_SPEC_CHARS', 'MAX_CHOICES', 'MAX_CHOICE_CHARS', 'StructuredOutputsParams', 'structured_outputs_field',
            'check_structured_outputs', 'as_structured_outputs']
 
 # %% ../../chapters/11_structured_output.ipynb #s21-params
@@ -36,15 +36,13 @@ class StructuredOutputsParams:
         return self.kind, value if isinstance(value, str) else json.dumps(value)
 
 
-@dataclass(frozen=True)
-class SamplingParams(sampling.SamplingParams):
-    """Chapter 2's SamplingParams, and vLLM's structured_outputs."""
-    structured_outputs: StructuredOutputsParams | None = None
+def structured_outputs_field(value, params) -> StructuredOutputsParams | None:
+    """SamplingParams(structured_outputs=...), vLLM's field, checked with chapter
+    2's fields (after them: ignore_eos and min_tokens are known)."""
+    return as_structured_outputs(value, params.ignore_eos, params.min_tokens)
 
-    def __post_init__(self):
-        super().__post_init__()  # chapter 2's checks
-        object.__setattr__(self, "structured_outputs", as_structured_outputs(
-            self.structured_outputs, self.ignore_eos, self.min_tokens))
+
+sampling.SAMPLING_FIELDS["structured_outputs"] = structured_outputs_field
 
 # %% ../../chapters/11_structured_output.ipynb #s22-checks
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
