@@ -40,13 +40,20 @@ def load(name: str) -> None:
         importlib.import_module(module)
 
 
+_filled: set[int] = set()  # id() of each registry already filled
+
+
 def registry(table: dict) -> dict:
-    """`table`, one of the registries above, filled: its modules imported first."""
+    """`table`, one of the registries above, filled: its modules imported first
+    (once; after that, one set lookup)."""
+    if id(table) in _filled:
+        return table
     for name in FEATURES:
         module, _, attr = name.rpartition(".")
         mod = sys.modules.get(module)
         if mod is not None and getattr(mod, attr, None) is table:
             load(name)
+            _filled.add(id(table))
     return table
 
 
