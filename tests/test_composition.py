@@ -209,6 +209,49 @@ def test_no_module_attaches_to_a_class_it_does_not_define():
     assert not bad, bad
 
 
+def attached_values(path: Path) -> list[str]:
+    """The names a module attaches to a class (`Class.x = _x` -> `_x`)."""
+    out = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Attribute) or (isinstance(t, ast.Tuple) and all(
+                    isinstance(e, ast.Attribute) for e in t.elts)) for t in node.targets):
+            values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            out += [v.id for v in values if isinstance(v, ast.Name)]
+    return out
+
+
+def test_every_attached_function_is_defined_in_the_module_that_attaches_it():
+    """Go to definition lands in the module that names the method: no module attaches
+    a function it imported (llm_engine.py once attached step_outputs.py's)."""
+    bad = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in tree.body if isinstance(
+            n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        bad += [f"{path.relative_to(PACKAGE)}: {name}" for name in attached_values(path)
+                if name.startswith("_") and name not in defined]
+    assert not bad, bad
+
+
+def test_the_attached_finder_sees_an_imported_function(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from x import _f\nclass E: pass\ndef _g(): pass\nE.f, E.g = _f, _g\n")
+    assert attached_values(path) == ["_f", "_g"]
+
+
+def test_attention_lives_in_one_module():
+    """The functions that attend over a cache live in minillm/attention.py (chapters 3
+    and 4 each export theirs into it); no KV backend computes attention itself."""
+    from minillm import attention
+    assert {"causal_mask", "cached_attention", "packed_groups",
+            "packed_attention"} <= set(attention.__all__)
+    for path in (PACKAGE / "kv").glob("*.py"):
+        text = path.read_text()
+        assert "scaled_dot_product_attention" not in text, path.name
+        assert "def cached_attention" not in text and "def packed_attention" not in text
+
+
 def test_the_finder_finds_an_attachment(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("from x import Engine\nEngine.step, Engine.run = f, g\n")

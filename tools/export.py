@@ -5,7 +5,11 @@
 
 Every module belongs to exactly one notebook: when two notebooks export into the same
 module (two `#| default_exp x`, or a `#| export x` in another chapter), the export stops
-before it writes anything and names both notebooks.
+before it writes anything and names both notebooks. The one exception is a module named
+in SHARED_MODULES (`minillm/attention.py`): each chapter teaches its own attention
+function in its own cells, and the module gathers them in chapter order (the first
+chapter writes the header and imports; a later chapter's cells are appended, so they
+may not hold a `from __future__` import).
 
 Some of the package is written by hand, not exported: `minillm/__main__.py`, every
 `__init__.py`, and the whole of `minillm/bench/` (the benchmarks are plain files that the
@@ -33,15 +37,24 @@ from nbdev.process import NBProcessor
 ROOT = Path(__file__).resolve().parent.parent
 HAND_WRITTEN = {"__init__.py", "__main__.py", "features.py"}  # modules no notebook owns
 HAND_WRITTEN_PACKAGES = ("bench",)  # folders of minillm/ that no notebook exports into
+SHARED_MODULES = {"attention"}  # modules several chapters export into, in chapter order
 
 
-class OwnedModuleMaker(ModuleMaker):
-    """Every module belongs to exactly one notebook, also the ones a cell names with
-    `#| export othermodule`: write it whole (nbdev by default would append to a module
-    that another notebook created first)."""
+def module_maker(started: set[str]) -> type:
+    """A ModuleMaker for one export run. Every module belongs to exactly one notebook,
+    also the ones a cell names with `#| export othermodule`: write it whole (nbdev by
+    default would append to a module that another notebook created first). A shared
+    module is written whole by the first chapter and appended to by the later ones;
+    `started` remembers which shared modules this run has begun."""
 
-    def __init__(self, dest, name, nb_path, is_new=True, parse=True, solo_nb=False):
-        super().__init__(dest, name, nb_path, is_new=True, parse=parse, solo_nb=solo_nb)
+    class OwnedModuleMaker(ModuleMaker):
+        def __init__(self, dest, name, nb_path, is_new=True, parse=True, solo_nb=False):
+            first = name not in SHARED_MODULES or name not in started
+            started.add(name)
+            super().__init__(dest, name, nb_path, is_new=first, parse=parse,
+                             solo_nb=solo_nb)
+
+    return OwnedModuleMaker
 
 
 class ExportError(ValueError):
@@ -85,7 +98,8 @@ def conflicts(notebooks: list[Path]) -> list[str]:
             owners.setdefault(mod, []).append(nb)
     return [f"module {mod} is exported by {len(nbs)} notebooks: "
             f"{', '.join(p.name for p in nbs)}; every module belongs to one notebook"
-            for mod, nbs in sorted(owners.items()) if len(nbs) > 1]
+            for mod, nbs in sorted(owners.items())
+            if len(nbs) > 1 and mod not in SHARED_MODULES]
 
 
 def hand_written_targets(notebooks: list[Path]) -> list[str]:
@@ -104,8 +118,9 @@ def export(chapters: Path, lib: Path) -> list[Path]:
     problems = conflicts(notebooks)
     if problems:
         raise ExportConflict("\n".join(problems))
+    maker = module_maker(set())
     for nb in notebooks:
-        nb_export(str(nb), lib_path=str(lib), mod_maker=OwnedModuleMaker)
+        nb_export(str(nb), lib_path=str(lib), mod_maker=maker)
     return notebooks
 
 

@@ -8,8 +8,8 @@ step runs one batched forward. Exported from chapters/04_continuous_batching.ipy
     scheduler.py   Scheduler: who runs this step, and how many tokens each computes
     paged_scheduler.py  PagedScheduler (chapter 6): preemption, answers sharing a prompt
     runner.py      ModelRunner: a batch -> one forward -> sampled tokens (graphs.py: ch. 7)
-    llm_engine.py  LLMEngine: add_request, step, abort
-    step_outputs.py  a step's tokens -> stop rules, text deltas, logprobs, history
+    llm_engine.py  LLMEngine: add_request, step (a step's tokens -> stop rules, text
+                   deltas, logprobs, history), abort
     llm.py         LLM: the offline front door (generate, chat, stream)
 """
 # `from minillm.engine import LLM, LLMEngine`: imported when first asked for, so that

@@ -12,8 +12,6 @@ from .config import EngineConfig
 from .outputs import CompletionOutput, RequestOutput, StepRecord
 from .runner import ModelRunner, prompt_logprobs
 from .scheduler import make_scheduler
-from .step_outputs import (
-    _decode_logprobs, _delta, _end_siblings, _record, _take)
 from ..kv.base import make_kv
 from ..sampling import SamplingParams
 from ..sequence import Sequence
@@ -197,6 +195,91 @@ def _step(self) -> list[RequestOutput]:
 
 
 LLMEngine.step = _step
+
+# %% ../../chapters/04_continuous_batching.ipynb #c43d2-record
+# What one step hands back: each token to its Sequence, the deltas of the
+# RequestOutputs, a failed answer's siblings ended, the StepRecord.
+
+def _take(self, seq: Sequence, token, now: float) -> tuple:
+    """Hand the step's result to `seq`: its text piece, its new ids and logprobs.
+    A failure of its own (a row that could not be sampled, a token it cannot
+    decode) ends this request with an error; the others go on. A list of ids
+    (chapter 10: several tokens from one forward) is taken in order while the
+    request runs."""
+    if isinstance(token, list):
+        text, new = "", []
+        for t in token:
+            piece, ids, _ = _take(self, seq, t, now)
+            text, new = text + piece, new + ids
+            if seq.is_finished:
+                break
+        return text, new, None
+    logprobs = None
+    try:
+        if isinstance(token, Exception):
+            raise token  # its row could not be sampled
+        if isinstance(token, tuple):  # (id, {id: Logprob}): logprobs asked
+            token, logprobs = token
+            self._decode_logprobs(logprobs)
+        text = seq.append(token, now, logprobs)
+    except Exception as e:  # this request's own failure: it ends, others go on
+        text, logprobs = seq.fail(f"{type(e).__name__}: {e}", now), None
+    new = [] if seq.finish_reason == "error" else [token]
+    return text, new, logprobs
+
+
+def _delta(self, outputs: dict, seq: Sequence, text: str, new: list[int],
+           logprobs: dict | None) -> None:
+    """Add what this step gave `seq` to its request's RequestOutput."""
+    rid = self.group_of[seq.request_id]
+    if rid not in outputs:
+        outputs[rid] = RequestOutput(rid, None, seq.prompt_ids, [], False,
+                                     prompt_logprobs=seq.prompt_logprobs)
+    outputs[rid].outputs.append(CompletionOutput(
+        seq.index, text, new, seq.cumulative_logprob,
+        None if logprobs is None else [logprobs], seq.finish_reason,
+        seq.stop_reason, seq.error))
+
+
+def _decode_logprobs(self, logprobs: dict) -> None:
+    """Each Logprob gets its token's text (vLLM's decoded_token)."""
+    if self.tokenizer is not None:
+        for token, lp in logprobs.items():
+            lp.decoded_token = self.tokenizer.decode([token])
+
+
+def _record(self, batch, start: float, end: float, useful: int,
+            padding: list[bool]) -> None:
+    seqs = batch.seqs
+    tokens = self.runner.last_tokens  # what the forward computed
+    useful_tokens = sum(n for n, pad in zip(batch.num_new, padding) if not pad)
+    running = self.scheduler.running
+    reserved, capacity = self.kv.usage()
+    if len(self.history) >= self.MAX_HISTORY:  # a long-lived engine stays bounded
+        del self.history[:self.MAX_HISTORY // 2]
+    self.history.append(StepRecord(
+        start, end, batch.is_prefill, len(seqs), useful, tokens,
+        useful_tokens, kv_tokens=sum(s.num_tokens for s in running),
+        kv_reserved=reserved, kv_capacity=capacity))
+
+
+def _end_siblings(self, seq: Sequence, outputs: dict, now: float) -> None:
+    """An answer that failed ends its whole request: its siblings still running
+    (n > 1) are aborted now and their memory freed, instead of running on."""
+    if seq.finish_reason != "error":
+        return
+    out = outputs[self.group_of[seq.request_id]]  # holds the failed answer
+    for sibling in self.groups[out.request_id]:
+        if sibling.is_finished:
+            continue
+        text = sibling.finish("abort", now)
+        self._finished(sibling)
+        moved = [c for c in out.outputs if c.index == sibling.index]
+        if moved:  # it got a token in this step already: that delta ends it
+            moved[0].text += text
+            moved[0].finish_reason = sibling.finish_reason
+        else:
+            self._delta(outputs, sibling, text, [], None)
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43d2-attach
 LLMEngine._take, LLMEngine._delta = _take, _delta

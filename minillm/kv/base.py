@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .contiguous import cached_attention
+from ..attention import packed_attention
 from ..model import StepMeta
 from ..sequence import Sequence
 
@@ -47,8 +47,7 @@ class KVBackend(Protocol):
         num_computed_tokens say how far)."""
 
 # %% auto #0
-__all__ = ['KV_BACKENDS', 'DEFAULT_KV_CACHE', 'KVBackend', 'register_kv_backend', 'make_kv', 'packed_groups', 'packed_attention',
-           'PackedSteps']
+__all__ = ['KV_BACKENDS', 'DEFAULT_KV_CACHE', 'KVBackend', 'register_kv_backend', 'make_kv', 'PackedSteps']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c13d-registry
 KV_BACKENDS: dict[str, tuple] = {}  # name -> (build, its options, check)
@@ -74,50 +73,7 @@ def make_kv(cfg, model):
     return build(model, cfg.max_num_seqs, cfg.max_model_len, cfg.policy,
                  cfg.max_num_batched_tokens, **cfg.kv_options)
 
-# %% ../../chapters/04_continuous_batching.ipynb #c31a-groups
-def packed_groups(meta: StepMeta) -> list[tuple[torch.Tensor | slice, StepMeta]]:
-    """How a packed step attends: the requests with one new token together (a
-    batch of rows, [n, 1]), each longer run of new tokens (a prompt or a chunk
-    of one) on its own. Returns (where the tokens sit in the row, a StepMeta of
-    rows for `gather` and the mask); made once per forward (meta.cache)."""
-    if "packed" not in meta.cache:
-        starts, lens = meta.cache.get("host") or (  # the runner's lists, or a read
-            meta.query_start_loc.tolist(), meta.seq_lens.tolist())
-        ones = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-        groups = []
-        if ones:
-            at = torch.tensor([starts[i] for i in ones], device=meta.positions.device)
-            rows = torch.tensor(ones, device=at.device)
-            groups.append((at, StepMeta(
-                positions=meta.positions[0, at][:, None],
-                block_tables=meta.block_tables[rows],
-                max_context=max(lens[i] for i in ones))))
-        for i in range(len(lens)):
-            if starts[i + 1] - starts[i] > 1:
-                run = slice(starts[i], starts[i + 1])
-                groups.append((run, StepMeta(
-                    positions=meta.positions[:, run],
-                    block_tables=meta.block_tables[i:i + 1], max_context=lens[i])))
-        meta.cache["packed"] = groups
-    return meta.cache["packed"]
-
-# %% ../../chapters/04_continuous_batching.ipynb #c31a-packed
-def packed_attention(kv, layer_idx: int, q: torch.Tensor,
-                     meta: StepMeta) -> torch.Tensor:
-    """Attention of a packed step, q [1, heads, T, d]: every request attends over
-    its own positions only, causally, through the backend's `gather`."""
-    out = torch.empty_like(q)
-    for where, rows in packed_groups(meta):
-        k_all, v_all = kv.gather(layer_idx, rows)
-        if isinstance(where, slice):  # one request's run of tokens: [1, heads, L, d]
-            out[:, :, where] = cached_attention(q[:, :, where], k_all, v_all, rows)
-        else:  # one token per request: [n, heads, 1, d]
-            one = q[0, :, where].transpose(0, 1)[:, :, None]
-            att = cached_attention(one, k_all, v_all, rows)
-            out[0, :, where] = att[:, :, 0].transpose(0, 1)
-    return out
-
-
+# %% ../../chapters/04_continuous_batching.ipynb #c31a-mixin
 class PackedSteps:
     """Mixed into a backend of the engine (before KVCache): a packed step's
     attention is each request's over its own positions; otherwise chapter 3's."""

@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..attention import cached_attention
 from ..model import StepMeta
 
 
@@ -36,36 +36,7 @@ def _positive_int(name: str, value) -> int:
     return value
 
 # %% auto #0
-__all__ = ['free_memory_bytes', 'causal_mask', 'cached_attention', 'KVMemoryError', 'check_kv_fits', 'KVCache']
-
-# %% ../../chapters/03_kv_cache.ipynb #c018b
-def causal_mask(meta: StepMeta, S: int, group: int = 1) -> torch.Tensor:
-    """[B, 1, group * T, S]: may token t of row b look at position s of its row? Yes
-    if s is not after the token's own position. `group` repeats the T rows (for the
-    folded query heads of grouped-query attention). Built once per forward."""
-    key = ("mask", S, group)
-    if key not in meta.cache:
-        seen = torch.arange(S, device=meta.positions.device)
-        mask = (seen <= meta.positions[..., None]).unsqueeze(1)  # [B, 1, T, S]
-        B, _, T, _ = mask.shape
-        if group > 1 and T > 1:  # row g * T + t: token t
-            mask = mask[:, :, None].expand(B, 1, group, T, S).reshape(B, 1, -1, S)
-        meta.cache[key] = mask
-    return meta.cache[key]
-
-
-def cached_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                     meta: StepMeta) -> torch.Tensor:
-    """Attention of q [B, heads, T, d] over cached k_all, v_all [B, kv_heads, S, d].
-    The G = heads // kv_heads query heads of each K/V head are folded into its rows,
-    [B, kv_heads, G * T, d]: K and V are never copied per query head."""
-    B, H, T, d = q.shape
-    kv_heads, S = k_all.shape[1], k_all.shape[2]
-    G = H // kv_heads
-    out = F.scaled_dot_product_attention(
-        q.reshape(B, kv_heads, G * T, d), k_all, v_all,
-        attn_mask=causal_mask(meta, S, G))
-    return out.reshape(B, H, T, d)
+__all__ = ['free_memory_bytes', 'KVMemoryError', 'check_kv_fits', 'KVCache']
 
 # %% ../../chapters/03_kv_cache.ipynb #c018h
 class KVMemoryError(ValueError):
