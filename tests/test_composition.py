@@ -313,8 +313,8 @@ class CountingList(list):
 
 def test_a_decode_step_copies_no_token_list_and_walks_no_weight(model, monkeypatch):
     """Before: every step copied each running request's prompt + output (the paged
-    backend's append_slot), and while a request waited every parameter was walked
-    (the prefix cache's weights check)."""
+    backend's append_slot; the penalties' ids, uploaded whole every step), and while
+    a request waited every parameter was walked (the prefix cache's weights check)."""
     import minillm.kv.paged as paged
     walks = []
     real = paged.weights_version
@@ -322,8 +322,11 @@ def test_a_decode_step_copies_no_token_list_and_walks_no_weight(model, monkeypat
     engine = LLMEngine(model, max_num_seqs=3, max_model_len=256, block_size=4,
                        num_blocks=64)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                               presence_penalty=0.5, frequency_penalty=0.2, seed=3)
     for i in range(3):  # 25 blocks each: the third waits for memory, asked each step
-        engine.add_request([1 + (i * 5 + j) % 300 for j in range(100)], params)
+        engine.add_request([1 + (i * 5 + j) % 300 for j in range(100)],
+                           penalized if i == 1 else params)
     for _ in range(3):  # prompts computed, the cache's weights noted once
         engine.step()
     for seq in engine.scheduler.running:
@@ -409,3 +412,20 @@ def test_one_sampling_params_class_takes_every_chapters_fields():
                  "print(SamplingParams(structured_outputs={'choice': ['x']})"
                  ".structured_outputs.kind)")
     assert out.strip() == "choice"
+
+
+def test_seen_ids_hold_the_requests_ids_as_they_grow_and_shrink():
+    """The penalties' ids kept on the device equal prompt + output after every step,
+    also across the buffer's growth and when ids are taken back."""
+    import torch
+    from minillm.engine.runner import SeenIds
+    from minillm.sequence import Sequence
+    seq = Sequence("r", list(range(5)), SamplingParams(max_tokens=500), frozenset())
+    seen = SeenIds(torch.device("cpu"))
+    for step in range(40):
+        history, outputs = seen.of(seq)
+        assert history.tolist() == seq.prompt_ids + seq.output_ids
+        assert outputs.tolist() == seq.output_ids
+        seq.output_ids.extend([step % 7] * (step % 3))
+    del seq.output_ids[-4:]  # taken back
+    assert seen.of(seq)[0].tolist() == seq.prompt_ids + seq.output_ids

@@ -10,7 +10,7 @@ from ..sampling import _pick, _scale, make_generator, sample
 from ..sequence import Logprob, Sequence, block_early_stop
 
 # %% auto #0
-__all__ = ['ModelRunner', 'token_logprobs', 'prompt_logprobs']
+__all__ = ['ModelRunner', 'token_logprobs', 'prompt_logprobs', 'SeenIds']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31-runner
 class ModelRunner:
@@ -22,6 +22,7 @@ class ModelRunner:
         self.model, self.kv = model, kv
         self.device = model.embed_tokens.weight.device
         self.generators: dict[str, torch.Generator | None] = {}
+        self.seen: dict[str, SeenIds] = {}  # for penalties: ids on the device
         self.default_generator = None  # unseeded requests: torch's global one
         self.logits_processors = [block_early_stop]  # (logits, seqs) -> logits
 
@@ -33,6 +34,7 @@ class ModelRunner:
 
     def remove(self, seq: Sequence) -> None:
         self.generators.pop(seq.request_id, None)
+        self.seen.pop(seq.request_id, None)
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31d-runner
 def _prepare_packed(self, seqs: list[Sequence], num_new: list[int]):
@@ -233,17 +235,51 @@ def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:
 ModelRunner.sample = _sample
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31k-checked
-def _seen_ids(self, seqs: list[Sequence]) -> tuple:
-    """For penalties: every row's ids so far and its output ids (None: none asks)."""
-    history = outputs = None
-    if any(s.params.penalized for s in seqs):  # only then: the ids seen
-        none = torch.empty(0, dtype=torch.long, device=self.device)
-        history = [self._tensor(s.prompt_ids + s.output_ids)
-                   if s.params.penalized else none for s in seqs]
-        outputs = [self._tensor(s.output_ids)
-                   if s.params.penalized else none for s in seqs]
-    return history, outputs
+class SeenIds:
+    """A penalized request's ids so far (prompt, then output) kept on the device:
+    a step uploads only the ids that are new since the last one."""
 
+    def __init__(self, device: torch.device):
+        self.ids = torch.empty(0, dtype=torch.long, device=device)
+        self.n = 0  # ids held
+
+    def of(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """(every id so far, the output ids): views of one device buffer."""
+        P, total = len(seq.prompt_ids), seq.num_tokens
+        if total < self.n:  # ids were taken back: start again
+            self.n = 0
+        if total > self.ids.numel():  # room for twice as many: amortised O(1)
+            grown = torch.empty(2 * total, dtype=torch.long, device=self.ids.device)
+            grown[:self.n] = self.ids[:self.n]
+            self.ids = grown
+        new = (seq.prompt_ids[self.n:] if self.n < P else []) \
+            + seq.output_ids[max(self.n - P, 0):]
+        if new:
+            self.ids[self.n:total] = torch.tensor(new, dtype=torch.long)
+        self.n = total
+        return self.ids[:total], self.ids[P:total]
+
+
+def _seen_ids(self, seqs: list[Sequence]) -> tuple:
+    """For penalties: every row's ids so far and its output ids (None: none asks).
+    A request's own ids stay on the device between steps (SeenIds); a view of it
+    (chapter 10's drafts) is read whole."""
+    if not any(s.params.penalized for s in seqs):
+        return None, None
+    none = torch.empty(0, dtype=torch.long, device=self.device)
+    history, outputs = [], []
+    for s in seqs:
+        if not s.params.penalized:
+            seen, out = none, none
+        elif isinstance(s, Sequence) and s.request_id in self.generators:
+            seen, out = self.seen.setdefault(
+                s.request_id, SeenIds(self.device)).of(s)
+        else:
+            seen, out = (self._tensor(s.prompt_ids + s.output_ids),
+                         self._tensor(s.output_ids))
+        history.append(seen)
+        outputs.append(out)
+    return history, outputs
 
 def _read_back(self, ids, ok, scaled, params) -> tuple[list, list]:
     """The step's one device read: the ids, one finite-logits flag per row and,
