@@ -429,3 +429,22 @@ def test_seen_ids_hold_the_requests_ids_as_they_grow_and_shrink():
         seq.output_ids.extend([step % 7] * (step % 3))
     del seq.output_ids[-4:]  # taken back
     assert seen.of(seq)[0].tolist() == seq.prompt_ids + seq.output_ids
+
+
+def test_a_drafted_view_reads_the_requests_ids_without_copying_them():
+    """Before: Drafted.output_ids built output + drafts as a new list on every access
+    (chapter 4's prepare_packed and min_tokens read it per view, per step)."""
+    from minillm.sequence import Sequence, block_early_stop
+    from minillm.spec.proposers import Drafted
+    import torch
+    seq = Sequence("r", CountingList(range(30)), SamplingParams(min_tokens=50, max_tokens=60),
+                   frozenset({2}))
+    seq.output_ids = CountingList(range(100, 140))
+    view = Drafted(seq, [7, 8, 9])
+    CountingList.copies = 0
+    assert len(view.output_ids) == 43 and view.num_tokens == 73
+    assert view.output_ids[38:43] == [138, 139, 7, 8, 9]
+    assert view.output_ids[:] == list(range(100, 140)) + [7, 8, 9]
+    CountingList.copies = 0
+    logits = block_early_stop(torch.zeros(1, 4), [view])
+    assert logits[0, 2] == float("-inf") and CountingList.copies == 0

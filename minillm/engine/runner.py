@@ -275,8 +275,8 @@ def _seen_ids(self, seqs: list[Sequence]) -> tuple:
             seen, out = self.seen.setdefault(
                 s.request_id, SeenIds(self.device)).of(s)
         else:
-            seen, out = (self._tensor(s.prompt_ids + s.output_ids),
-                         self._tensor(s.output_ids))
+            outs = s.output_ids[:]  # a list (of a view's ids, too)
+            seen, out = self._tensor(s.prompt_ids + outs), self._tensor(outs)
         history.append(seen)
         outputs.append(out)
     return history, outputs

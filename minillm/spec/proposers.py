@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.runner import ModelRunner
+from ..kv.paged import TokenView
 from ..kv.slots import SlotKVCache
 from ..sequence import Sequence, block_early_stop
 from .rejection import draw, sampling_probs
@@ -52,8 +53,8 @@ class Drafted:
         self.seq, self.draft = seq, draft
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.seq.output_ids + self.draft
+    def output_ids(self) -> TokenView:  # len() and slices, nothing copied
+        return TokenView(self.seq.output_ids, self.draft)
 
     @property
     def num_tokens(self) -> int:
