@@ -21,6 +21,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from .. import __version__
+from ..sampling import MAX_N
 from .async_engine import AsyncEngine, RequestStream
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest,
@@ -33,11 +34,11 @@ MAX_BODY_BYTES = 4 * 2**20  # a request body's default bound (build_app, 413)
 # %% auto #0
 __all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'Server', 'server', 'build_app', 'api_error', 'validation_error',
            'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit', 'health', 'metrics', 'list_models',
-           'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize', 'docs', 'docs_page', 'submit',
-           'one_prompt', 'check_text', 'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone',
-           'finite', 'token_text', 'raw_bytes', 'token_key', 'completion_logprobs', 'chat_logprobs',
-           'prompt_logprobs_json', 'Sample', 'create_completion', 'gather', 'create_chat_completion', 'sse',
-           'event_stream']
+           'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize', 'tokenizer_info', 'docs', 'docs_page',
+           'submit', 'submit_all', 'prompt_list', 'one_prompt', 'check_text', 'rest_of_context', 'Usage', 'samples',
+           'until_disconnect', 'unless_gone', 'finite', 'token_text', 'raw_bytes', 'token_key', 'completion_logprobs',
+           'echo_logprobs', 'echoed', 'chat_logprobs', 'prompt_logprobs_json', 'Sample', 'create_completion',
+           'completion_prompts', 'Choices', 'gather', 'gather_all', 'create_chat_completion', 'sse', 'event_stream']
 
 # %% ../../chapters/09_serving.ipynb #s40b-app
 @dataclass
@@ -264,6 +265,21 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     return {"prompt": await asyncio.to_thread(_decode_ids, s, body.tokens)}
 
 # %% ../../chapters/09_serving.ipynb #s43d-tokenize
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict:
+    """vLLM's: the tokenizer's configuration, as tokenizer_config.json holds it
+    (lm-eval reads eos_token). vLLM serves it behind a flag because it shows the
+    chat template; here the template is the model folder's, public as it is."""
+    s = server(request)
+    t = s.tokenizer
+    if t is None:
+        raise APIError(404, "this server has no tokenizer (token ids only)",
+                       code="not_found")
+    return {"tokenizer_class": type(t).__name__, "bos_token": t.bos_token,
+            "eos_token": t.eos_token, "pad_token": t.pad_token,
+            "chat_template": t.chat_template, "model_max_length": s.max_model_len}
+
+
 def _decode_ids(s: Server, ids: list[int]) -> str:
     """/detokenize's text; an id outside the tokenizer's vocabulary is a 400."""
     size = len(s.tokenizer)
@@ -311,16 +327,38 @@ async def submit(s: Server, prompt_ids: list[int], params,
     except ValueError as e:
         raise bad_request(e, names) from None
 
+
+async def submit_all(s: Server, ids: list[list[int]], params) -> list:
+    """Each prompt as its own request; if one is refused, the others are
+    aborted (nothing is left running for an answer nobody will read)."""
+    streams = []
+    try:
+        for prompt_ids in ids:
+            streams.append(await submit(s, prompt_ids, params, {}))
+    except BaseException:
+        for stream in streams:
+            s.engine.abort(stream.request_id)
+        raise
+    return streams
+
 # %% ../../chapters/09_serving.ipynb #s44b-submit
+def prompt_list(prompt, n: int) -> list:
+    """The prompts of a completions request: one (text or token ids) or a list of
+    them, answered prompt-major. Their answers (prompts x n) are bounded as one
+    request's n is, before any work."""
+    many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+    prompts = prompt if many else [prompt]
+    if len(prompts) > 1 and len(prompts) * n > MAX_N:  # one: SamplingParams' n
+        raise APIError(400, f"{len(prompts)} prompts x n={n} is "
+                       f"{len(prompts) * n} answers; at most {MAX_N} per request",
+                       param="prompt")
+    return prompts
+
+
 async def one_prompt(s: Server, prompt) -> list[int]:
-    """The prompt's token ids: text, token ids, or a list holding one of them.
-    Text is checked by its length first (cheap), then tokenized in a worker
-    thread: a long text would stall the event loop, and every client with it."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, f"{len(prompt)} prompts in one request; this "
-                           "server takes one prompt per request", param="prompt")
-        prompt = prompt[0]
+    """One prompt's token ids: text or token ids. Text is checked by its length
+    first (cheap), then tokenized in a worker thread: a long text would stall
+    the event loop, and every client with it."""
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt, list):
@@ -386,9 +424,9 @@ async def until_disconnect(request: Request) -> None:
         pass
 
 
-async def unless_gone(request: Request, s: Server, stream: RequestStream,
+async def unless_gone(request: Request, s: Server, streams: list[RequestStream],
                       work):
-    """Await `work` (a coroutine); abort the request if the client leaves."""
+    """Await `work` (a coroutine); abort the requests if the client leaves."""
     task, gone = asyncio.ensure_future(work), asyncio.ensure_future(
         until_disconnect(request))
     try:
@@ -398,7 +436,8 @@ async def unless_gone(request: Request, s: Server, stream: RequestStream,
         left = not task.done()  # the client left first
         if left:
             task.cancel()
-            s.engine.abort(stream.request_id)
+            for stream in streams:
+                s.engine.abort(stream.request_id)
     if left:  # an answer nobody reads, and no traceback in the log
         raise APIError(499, "the client closed the connection", code="client_gone")
     return task.result()
@@ -412,8 +451,9 @@ def finite(logprob: float) -> float:
 
 
 def token_text(s: Server, token_id: int, lp) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else s.tokenizer.decode(
-        [token_id])
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return s.tokenizer.decode([token_id])
 
 
 def raw_bytes(s: Server, token_id: int, text: str) -> bytes:
@@ -453,6 +493,34 @@ def completion_logprobs(s: Server, c, offset: int) -> dict | None:
         out["text_offset"].append(offset)
         offset += len(text)
     return out
+
+
+def echo_logprobs(s: Server, prompt_ids: list[int], prompt_logprobs) -> dict:
+    """An echoed prompt's part of the completions logprobs: its first token has
+    none (None, as OpenAI's), each next one its log-prob and the k best."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+           "text_offset": []}
+    offset = 0
+    for token_id, top in zip(prompt_ids, prompt_logprobs):
+        lp = None if top is None else top[token_id]
+        out["tokens"].append(token_key(s, token_id, lp))
+        out["token_logprobs"].append(None if lp is None else finite(lp.logprob))
+        out["top_logprobs"].append(None if top is None else {
+            token_key(s, t, x): finite(x.logprob) for t, x in top.items()})
+        out["text_offset"].append(offset)
+        offset += len(token_text(s, token_id, lp))
+    return out
+
+
+def echoed(s: Server, out: dict, prompt_text: str, head: dict | None,
+           only: bool) -> dict:
+    """A completions choice with its prompt in front (echo): the text, and the
+    logprobs over prompt + answer. `only` (max_tokens=0): the prompt alone."""
+    text = "" if only else out["text"]
+    tail = None if only else out["logprobs"]
+    if head is not None and tail is not None:  # tail's offsets start after it
+        head = {k: head[k] + tail[k] for k in head}
+    return {**out, "text": prompt_text + text, "logprobs": head}
 
 
 def chat_logprobs(s: Server, c, k: int) -> dict | None:
@@ -497,30 +565,69 @@ class Sample:
 async def create_completion(body: CompletionRequest, request: Request):
     s = server(request)
     s.check_model(body.model)
-    prompt_ids = await one_prompt(s, body.prompt)  # tokenized off the loop
-    params = body.sampling_params(body.max_tokens, body.logprobs, {})
-    stream = await submit(s, prompt_ids, params, {})
-    usage, head = Usage(len(prompt_ids)), {
-        "id": f"cmpl-{stream.request_id}", "object": "text_completion",
+    prompts, only = completion_prompts(body)  # echo + max_tokens=0: score only
+    ids = [await one_prompt(s, p) for p in prompts]  # tokenized off the loop
+    k = body.logprobs  # with echo, the prompt's tokens get theirs too:
+    scored = {} if not body.echo or k is None else {
+        "prompt_logprobs": max(k, body.prompt_logprobs or 0)}
+    params = body.sampling_params(1 if only else body.max_tokens, k, {}, **scored)
+    streams = await submit_all(s, ids, params)
+    usage, head = Usage(sum(map(len, ids))), {
+        "id": f"cmpl-{streams[0].request_id}", "object": "text_completion",
         "created": int(time.time()), "model": s.model_name}
-    offsets = [0] * params.n  # where each answer's next token starts
-    told = set()  # the answers whose prompt_logprobs were sent (once each)
+    choice = Choices(s, body, prompts, ids, streams, only)
+    if body.stream:  # one prompt (completion_prompts says so)
+        return event_stream(s, streams[0], body, head, usage,
+                            lambda c: choice(0, c))
+    answers = await unless_gone(request, s, streams,
+                                gather_all(s, streams, usage, params.n))
+    usage.completion_tokens *= not only  # the token drawn to score is not sent
+    return {**head, "choices": [choice(j, a) for j, per in enumerate(answers)
+                                for a in per], "usage": usage.as_dict()}
 
-    def choice(c) -> dict:
-        logprobs = completion_logprobs(s, c, offsets[c.index])
-        offsets[c.index] += len(c.text)
-        out = {"index": c.index, "text": c.text, "logprobs": logprobs,
-               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if params.prompt_logprobs is not None and c.index not in told:
-            told.add(c.index)
-            out["prompt_logprobs"] = prompt_logprobs_json(stream)
+# %% ../../chapters/09_serving.ipynb #s47b-choices
+def completion_prompts(body: CompletionRequest) -> tuple[list, bool]:
+    """The request's prompts, and whether it only scores them (echo with
+    max_tokens=0). A stream carries one prompt, and answers something."""
+    prompts = prompt_list(body.prompt, body.n)
+    only = body.echo and body.max_tokens == 0
+    if body.stream and (len(prompts) > 1 or only):
+        raise APIError(400, f"stream=true takes one prompt with max_tokens >= 1, "
+                       f"not {len(prompts)} prompts with max_tokens="
+                       f"{body.max_tokens}; send stream=false", param="stream")
+    return prompts, only
+
+
+class Choices:
+    """A completions request's choices, prompt-major: index = prompt * n + answer
+    (OpenAI's and vLLM's order). With echo, each answer's first piece carries its
+    prompt: the text, and the prompt's logprobs in front of the answer's."""
+
+    def __init__(self, s: Server, body, prompts: list, ids: list, streams: list,
+                 only: bool):
+        self.s, self.body, self.ids, self.streams, self.only = (
+            s, body, ids, streams, only)
+        self.texts = [p if isinstance(p, str) else s.tokenizer.decode(i)
+                      for p, i in zip(prompts, ids)] if body.echo else None
+        self.offsets = {}  # (prompt, answer) -> where its next token starts
+
+    def __call__(self, j: int, c) -> dict:
+        s, body, key = self.s, self.body, (j, c.index)
+        first = key not in self.offsets
+        if first:
+            self.offsets[key] = len(self.texts[j]) if body.echo else 0
+        out = {"index": j * body.n + c.index, "text": c.text,
+               "logprobs": completion_logprobs(s, c, self.offsets[key]),
+               "finish_reason": "length" if self.only else c.finish_reason,
+               "stop_reason": None if self.only else c.stop_reason}
+        self.offsets[key] += len(c.text)
+        if body.echo and first:
+            scored = None if body.logprobs is None else echo_logprobs(
+                s, self.ids[j], self.streams[j].prompt_logprobs)
+            out = echoed(s, out, self.texts[j], scored, self.only)
+        if body.prompt_logprobs is not None and first:  # vLLM's field, once
+            out["prompt_logprobs"] = prompt_logprobs_json(self.streams[j])
         return out
-
-    if body.stream:
-        return event_stream(s, stream, body, head, usage, choice)
-    choices = [choice(c) for c in await unless_gone(
-        request, s, stream, gather(stream, usage, params.n))]
-    return {**head, "choices": choices, "usage": usage.as_dict()}
 
 # %% ../../chapters/09_serving.ipynb #s48-gather
 async def gather(stream: RequestStream, usage: Usage, n: int) -> list[Sample]:
@@ -534,6 +641,18 @@ async def gather(stream: RequestStream, usage: Usage, n: int) -> list[Sample]:
             a.logprobs = (a.logprobs or []) + list(c.logprobs)
         a.finish_reason, a.stop_reason = c.finish_reason, c.stop_reason
     return answers
+
+
+async def gather_all(s: Server, streams: list, usage: Usage,
+                     n: int) -> list[list[Sample]]:
+    """Every prompt's answers, prompt by prompt. If one fails, the others are
+    aborted before the error goes back."""
+    try:
+        return await asyncio.gather(*(gather(st, usage, n) for st in streams))
+    except BaseException:
+        for stream in streams:
+            s.engine.abort(stream.request_id)
+        raise
 
 # %% ../../chapters/09_serving.ipynb #s49-chat
 @router.post("/v1/chat/completions")
@@ -562,7 +681,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                     "finish_reason": c.finish_reason}
         return event_stream(s, stream, body, {**head, "object":
                             "chat.completion.chunk"}, usage, delta)
-    answers = await unless_gone(request, s, stream,
+    answers = await unless_gone(request, s, [stream],
                                 gather(stream, usage, params.n))
     choices = [_chat_choice(s, a, k) for a in answers]
     return {**head, "choices": choices, "usage": usage.as_dict()}

@@ -91,12 +91,13 @@ class CommonRequest(BaseModel):
         return data
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        names: dict) -> SamplingParams:
+                        names: dict, **more) -> SamplingParams:
         """The engine's SamplingParams; a bad value is a 400 naming the field."""
         check_request(self)  # the server's own bounds first
         values = {f: getattr(self, f) for f in SAMPLING_FIELDS}
         values["logit_bias"] = api_logit_bias(self.logit_bias)  # "50" -> 50
         values["prompt_logprobs"] = getattr(self, "prompt_logprobs", None)
+        values.update(more)  # the route's own (echo: the prompt's logprobs)
         later = features.registry(REQUEST_FIELDS)  # later chapters' fields
         for name, to_params in later.items():
             if getattr(self, name, None) is not None:
@@ -113,7 +114,7 @@ class CompletionRequest(CommonRequest):
     max_tokens: int = 16
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's, and the k best
-    echo: Literal[False] = False      # not supported: 400 when true
+    echo: bool = False                # the prompt, then the answer (logprobs too)
     suffix: None = None               # not supported: 400 when given
 
 

@@ -1,0 +1,145 @@
+"""Chapter 9's server as the programs people point at an OpenAI server call it (issue 53):
+lm-evaluation-harness's log-likelihood request (a list of token-id prompts, echo, logprobs=1,
+max_tokens=1), echo with max_tokens=0, several prompts in one request answered
+prompt-major, and vLLM's /tokenizer_info. The bodies are the ones lm-eval 0.4 sends
+(recorded through a logging proxy, ../shared/notes/clients.md)."""
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from minillm.sampling import SamplingParams  # noqa: E402
+from minillm.serve.app import build_app  # noqa: E402
+from minillm.serve.cli import BackgroundServer  # noqa: E402
+from test_serve import NAME, tiny_llm, wait_idle  # noqa: E402
+
+CONTEXTS = ["ROMEO:\nBut soft", "JULIET:\nO Romeo", "HAMLET:\nTo be", "IAGO:\nI am"]
+ENDINGS = [", what light", " Romeo", " or not", " not what"]
+
+
+@pytest.fixture(scope="module")
+def served():
+    llm = tiny_llm(max_num_seqs=8)
+    with BackgroundServer(build_app(llm, NAME)) as server:
+        yield server.url, llm
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return tiny_llm(max_num_seqs=8)
+
+
+def offline_scores(llm, ids: list[int]) -> list[tuple[float, int]]:
+    """Each prompt token's (log-prob, rank) after the ones before, from chapter 4's
+    prompt_logprobs: what the server's echo must report."""
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    return [(top[t].logprob, top[t].rank)
+            for t, top in zip(ids[1:], out.prompt_logprobs[1:])]
+
+
+def test_lm_evals_loglikelihood_request_scores_like_the_offline_engine(served, offline):
+    """lm-eval's body for a multiple-choice batch (--batch_size 4): token-id prompts,
+    echo, logprobs=1, max_tokens=1. It sums token_logprobs[ctxlen:-1] and calls the
+    continuation greedy when each equals the max of its top_logprobs."""
+    url, _ = served
+    tok = offline.engine.tokenizer
+    pairs = [(tok.encode(c), tok.encode(c + e)) for c, e in zip(CONTEXTS, ENDINGS)]
+    body = {"model": NAME, "prompt": [whole for _, whole in pairs], "max_tokens": 1,
+            "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for (context, whole), choice in zip(pairs, choices):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(whole) + 1  # the prompt, then one answer
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = offline_scores(offline, whole)
+        got = lp["token_logprobs"][1:len(whole)]
+        assert got == pytest.approx([w for w, _ in want], abs=1e-4)
+        ctxlen = len(context)
+        score = sum(lp["token_logprobs"][ctxlen:-1])
+        assert score == pytest.approx(sum(w for w, _ in want[ctxlen - 1:]), abs=1e-3)
+        greedy = all(max(top.values()) == pytest.approx(x, abs=1e-6) for x, top in
+                     zip(lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1]))
+        assert greedy == all(rank == 1 for _, rank in want[ctxlen - 1:])
+        assert choice["text"].startswith(tok.decode(whole))
+    assert wait_idle(url)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(served, offline):
+    url, _ = served
+    ids = offline.engine.tokenizer.encode(CONTEXTS[0] + ENDINGS[0])
+    r = httpx.post(url + "/v1/completions", json={
+        "model": NAME, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    (choice,) = answer["choices"]
+    assert choice["text"] == offline.engine.tokenizer.decode(ids)
+    assert len(choice["logprobs"]["tokens"]) == len(ids)
+    assert choice["finish_reason"] == "length"
+    assert answer["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
+                               "total_tokens": len(ids)}
+    assert all(len(top) >= 2 for top in choice["logprobs"]["top_logprobs"][1:])
+    offsets = choice["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+def test_a_list_of_prompts_is_answered_prompt_major(served, offline):
+    """OpenAI's and vLLM's order: index = prompt * n + sample; each answer is the
+    offline one for its own prompt (temperature 0)."""
+    url, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    prompts = ["ROMEO:\n", "JULIET:\n", "HAMLET:\n"]
+    answer = client.completions.create(model=NAME, prompt=prompts, n=2, max_tokens=8,
+                                       temperature=0, echo=True)
+    assert sorted(c.index for c in answer.choices) == list(range(6))
+    outs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8),
+                            use_tqdm=False)
+    for c in answer.choices:
+        prompt = prompts[c.index // 2]
+        assert c.text == prompt + outs[c.index // 2].outputs[0].text
+    assert answer.usage.completion_tokens == 2 * sum(
+        len(o.outputs[0].token_ids) for o in outs)
+    assert answer.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in outs)
+    assert wait_idle(url)
+
+
+def test_a_streamed_echo_sends_the_prompt_first(served):
+    url, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    chunks = list(client.completions.create(model=NAME, prompt="ROMEO:\n", echo=True,
+                                            max_tokens=6, temperature=0, stream=True,
+                                            logprobs=1))
+    first = next(c for c in chunks if c.choices)
+    assert first.choices[0].text.startswith("ROMEO:\n")
+    assert first.choices[0].logprobs.token_logprobs[0] is None
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text.startswith("ROMEO:\n") and len(text) > len("ROMEO:\n")
+
+
+def test_a_refused_prompt_leaves_nothing_running(served, offline):
+    """The second prompt cannot fit with max_tokens: a 400 naming it, and the first,
+    already handed to the engine, is aborted."""
+    url, llm = served
+    long = list(range(5, 5 + llm.engine.max_model_len - 4))
+    r = httpx.post(url + "/v1/completions", json={
+        "model": NAME, "prompt": [[5, 6, 7], long], "max_tokens": 8})
+    assert r.status_code == 400, r.text
+    assert wait_idle(url) and not llm.engine.requests
+
+
+def test_tokenizer_info_answers_what_lm_eval_reads(served, offline):
+    url, _ = served
+    info = httpx.get(url + "/tokenizer_info").json()
+    tok = offline.engine.tokenizer
+    assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
+    assert info["tokenizer_class"] and info["model_max_length"] > 0
+    assert info["chat_template"] == tok.chat_template
