@@ -691,7 +691,8 @@ async def _chat_prompt(s: Server, messages,
                        add_generation_prompt: bool = True) -> list[int]:
     """The messages through the chat template, as token ids (as LLM.chat); their
     text checked first, the template applied in a worker thread."""
-    messages = [{"role": m.role, "content": m.text()} for m in messages]
+    messages = [{"role": m.role, "content": m.text()}
+                | ({} if m.name is None else {"name": m.name}) for m in messages]
     check_text(s, "".join(m["content"] for m in messages), "messages")
     try:
         return await asyncio.to_thread(
@@ -731,14 +732,17 @@ def event_stream(s: Server, stream: RequestStream, body, head: dict,
     """The answer as server-sent events: one chunk per sample and step, then
     (stream_options.include_usage) the usage, then `data: [DONE]`. If the
     client leaves, the request is aborted and its KV memory freed at once."""
-    with_usage = bool(body.stream_options and body.stream_options.include_usage)
-    extra = {"usage": None} if with_usage else {}
+    options = body.stream_options
+    with_usage = bool(options and options.include_usage)
+    every = bool(options and options.continuous_usage_stats)  # the usage so far
 
     async def events():
         try:
             async for c in samples(stream, usage):
                 if c.text or c.finish_reason or c.logprobs:
-                    yield sse({**head, "choices": [choice(c)], **extra})
+                    extra = {"usage": usage.as_dict() if every else None}
+                    yield sse({**head, "choices": [choice(c)],
+                               **(extra if with_usage else {})})
             if with_usage:
                 yield sse({**head, "choices": [], "usage": usage.as_dict()})
         except APIError as e:  # a timeout, an error: the client raises it

@@ -35,13 +35,15 @@ def bad_request(error: ValueError, names: dict | None = None) -> APIError:
     return APIError(400, str(error), param=(names or {}).get(field, field))
 
 # %% auto #0
-__all__ = ['SAMPLING_FIELDS', 'REQUEST_FIELDS', 'MAX_API_TEMPERATURE', 'OFF', 'APIError', 'bad_request', 'StreamOptions',
-           'CommonRequest', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest', 'api_logit_bias',
-           'check_request', 'TokenizeRequest', 'DetokenizeRequest']
+__all__ = ['SAMPLING_FIELDS', 'REQUEST_FIELDS', 'MAX_API_TEMPERATURE', 'OFF', 'NO_OPS', 'APIError', 'bad_request',
+           'StreamOptions', 'CommonRequest', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest',
+           'check_stream_options', 'api_logit_bias', 'check_request', 'TokenizeRequest', 'DetokenizeRequest']
 
 # %% ../../chapters/09_serving.ipynb #s11-requests
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False           # one more chunk: the usage
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 SAMPLING_FIELDS = (  # the request fields that SamplingParams takes as they are
@@ -54,8 +56,10 @@ REQUEST_FIELDS: dict = {}  # a later chapter's request field -> to_params(value)
 
 
 class CommonRequest(BaseModel):
-    """The fields both endpoints share: OpenAI's, then vLLM's extras."""
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """The fields both endpoints share: OpenAI's, then vLLM's extras. A field not
+    declared here is kept (`model_extra`) for check_request: a later chapter's
+    (REQUEST_FIELDS), a no-op (NO_OPS), or a 400 that names it."""
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str
     n: int = 1
@@ -99,9 +103,14 @@ class CommonRequest(BaseModel):
         values["prompt_logprobs"] = getattr(self, "prompt_logprobs", None)
         values.update(more)  # the route's own (echo: the prompt's logprobs)
         later = features.registry(REQUEST_FIELDS)  # later chapters' fields
+        given = {}  # SamplingParams keyword -> the request field that set it
         for name, to_params in later.items():
             if getattr(self, name, None) is not None:
-                values.update(to_params(getattr(self, name)))
+                for key, value in to_params(getattr(self, name)).items():
+                    if key in given:
+                        raise APIError(400, f"{given[key]} and {name} both ask for "
+                                       f"{key}; give one of them", param=name)
+                    given[key], values[key] = name, value
         try:  # chapter 2's class takes every chapter's fields
             return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
         except ValueError as e:
@@ -119,9 +128,10 @@ class CompletionRequest(CommonRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # a key we would drop: a 400
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict]
+    name: str | None = None  # the speaker's name: handed to the template
 
     def text(self) -> str:
         """The content as text (a list of {"type": "text", "text": ...} parts)."""
@@ -146,7 +156,23 @@ class ChatCompletionRequest(CommonRequest):
 MAX_API_TEMPERATURE = 2.0  # OpenAI's bound (SamplingParams allows more offline)
 OFF = {  # OpenAI's fields this server does not support -> values that change nothing
     "best_of": (1,), "response_format": ({"type": "text"},),
-    "tools": ([],), "tool_choice": ("none", "auto")}
+    "tools": ([],), "tool_choice": ("none", "auto"), "store": (False,),
+    "service_tier": ("auto", "default"), "parallel_tool_calls": (True, False)}
+NO_OPS = {  # fields accepted whatever their value, and why nothing is lost
+    "user": "an end user's id, for the provider's abuse checks",
+    "metadata": "tags OpenAI keeps with a stored completion; nothing is stored here"}
+
+
+def check_stream_options(body) -> None:
+    """stream_options belongs to a stream; continuous usage to a stream that
+    reports its usage (vLLM's rule)."""
+    if not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true",
+                       param="stream_options")
+    if body.stream_options.continuous_usage_stats \
+            and not body.stream_options.include_usage:
+        raise APIError(400, "stream_options.continuous_usage_stats needs "
+                       "include_usage=true", param="stream_options")
 
 
 def api_logit_bias(bias: dict | None) -> dict[int, float] | None:
@@ -170,6 +196,14 @@ def check_request(body) -> None:
     top_logprobs without logprobs, a temperature outside OpenAI's [0, 2]: each
     is a 400 naming the field, never silently ignored."""
     supported = features.registry(REQUEST_FIELDS)  # chapter 11: response_format
+    unknown = [f for f in (body.model_extra or {})
+               if f not in supported and f not in OFF and f not in NO_OPS]
+    if unknown:  # accepted and dropped would be a wrong answer, not an error
+        raise APIError(400, f"{unknown[0]}: this server does not support the "
+                       "field; leave it out (a field it does not act on is "
+                       "refused, never ignored)", param=unknown[0])
+    if body.stream_options is not None:
+        check_stream_options(body)
     for field, harmless in OFF.items():
         if field in supported:
             continue  # a later chapter supports it now
@@ -191,7 +225,7 @@ def check_request(body) -> None:
 # %% ../../chapters/09_serving.ipynb #s12c-tokenize
 class TokenizeRequest(BaseModel):
     """POST /tokenize (vLLM's): a prompt, or chat messages, to token ids."""
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
@@ -211,7 +245,7 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     """POST /detokenize (vLLM's): token ids back to text."""
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     tokens: list[int]
