@@ -187,8 +187,32 @@ def test_one_budget_order_running_first_then_fifo(model):
     assert batch.seqs == seqs[:2] and batch.num_new == [4, 6] and batch.num_admitted == 2
     seqs[0].num_computed_tokens, seqs[1].num_computed_tokens = 4, 6
     seqs[0].output_ids.append(7)  # the first one sampled its token
-    batch = sched.schedule()  # decode 1, the last 6 of the long prompt, 3 of the third
-    assert batch.seqs == seqs and batch.num_new == [1, 6, 3] and batch.num_admitted == 1
+    # decode 1; the long prompt leaves the waiting third half the budget: 4 of its
+    # last 6 (10 - 1 - 10 // 2), then the third's whole prompt, 5
+    batch = sched.schedule()
+    assert batch.seqs == seqs and batch.num_new == [1, 4, 5] and batch.num_admitted == 1
+
+
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_a_short_request_waits_one_step_behind_a_long_prompt(model, kv_cache):
+    """Before: a 120-token prompt in chunks of 16 took the whole budget for 7 steps,
+    and a 3-token request sent after its first step finished only after them. While
+    requests wait, a prompt's chunk leaves them half the budget."""
+    from minillm.engine.llm_engine import LLMEngine
+    engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=16,
+                       kv_cache=kv_cache)
+    engine.add_request([5 + j % 90 for j in range(120)], greedy(2), request_id="long")
+    engine.step()
+    engine.add_request([5, 6, 7], greedy(1), request_id="short")
+    finished = {}
+    for step in range(1, 20):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = step
+        assert engine.history[-1].tokens <= 16
+        if not engine.has_unfinished():
+            break
+    assert finished["short"] == 1 and finished["long"] > 6
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
@@ -236,3 +260,28 @@ def test_a_victim_scheduled_earlier_in_the_step_leaves_the_batch(model):
         assert streamed == seq.output_ids == generate(model, prompt, params)
     assert engine.scheduler.num_preemptions > 0
     engine.kv.blocks.check()
+
+
+def test_chapter_4s_picture_of_one_budget_is_what_the_scheduler_does(model):
+    """Chapter 4 §5 draws A and B decoding while C (12 prompt tokens) and D (5) arrive,
+    with a budget of 8: these three steps."""
+    kv = SlotKVCache.from_model(model, max_num_seqs=4, max_seq_len=64)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=8)
+    a, b = (Sequence.create(model, [5, 6], greedy(5), request_id=x) for x in "AB")
+    sched.add(a, b)
+    for s, n in zip(*(lambda bt: (bt.seqs, bt.num_new))(sched.schedule())):
+        s.num_computed_tokens += n
+        s.output_ids.append(7)
+    sched.add(Sequence.create(model, [5] * 12, greedy(5), request_id="C"))
+    sched.add(Sequence.create(model, [5] * 5, greedy(5), request_id="D"))
+    steps = []
+    for _ in range(3):
+        batch = sched.schedule()
+        steps.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new)])
+        for s, n in zip(batch.seqs, batch.num_new):
+            s.num_computed_tokens += n
+            if s.num_computed_tokens == s.num_tokens:
+                s.output_ids.append(7)
+    assert steps == [[("A", 1), ("B", 1), ("C", 6)],
+                     [("A", 1), ("B", 1), ("C", 2), ("D", 4)],
+                     [("A", 1), ("B", 1), ("C", 4), ("D", 1)]]

@@ -140,3 +140,22 @@ def test_chat_template_as_text_and_prefix_caching_on(started):
     assert engine.tokenizer.chat_template == PLAY
     assert engine.kv.prefix_caching is True
     assert engine.runner.default_generator is None  # no --seed: torch's own
+
+
+def test_serve_on_a_cpu_computes_at_most_a_chunk_of_256_tokens_a_step(monkeypatch):
+    """A step of the engine's default budget (2048 tokens) takes seconds on a CPU, and
+    nobody else gets a token meanwhile: `serve` chunks long prompts at 256 tokens there
+    (--max-num-batched-tokens, vLLM's flag), and never below --max-num-seqs."""
+    import torch
+    from minillm.serve import cli
+    monkeypatch.setattr(cli, "pick_device", lambda: torch.device("cpu"))
+    parse = cli.parser().parse_args
+    assert cli.engine_args(parse(["m"]))["max_num_batched_tokens"] == 256
+    assert cli.engine_args(parse(["m", "--max-num-seqs", "300"]))[
+        "max_num_batched_tokens"] == 300
+    assert cli.engine_args(parse(["m", "--max-num-batched-tokens", "1024"]))[
+        "max_num_batched_tokens"] == 1024
+    off = cli.engine_args(parse(["m", "--no-enable-chunked-prefill"]))
+    assert off["enable_chunked_prefill"] is False and "max_num_batched_tokens" not in off
+    monkeypatch.setattr(cli, "pick_device", lambda: torch.device("cuda"))
+    assert "max_num_batched_tokens" not in cli.engine_args(parse(["m"]))

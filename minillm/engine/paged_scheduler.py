@@ -27,7 +27,7 @@ class PagedScheduler(Scheduler):
         for seq in list(self.running):  # the oldest first
             if seq.status == WAITING:
                 continue  # preempted just now, for an older request
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self.chunk(seq, budget)
             if n == 0:
                 break  # the budget is spent: the rest wait a step
             preemptions = self.num_preemptions

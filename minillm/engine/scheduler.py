@@ -88,7 +88,7 @@ def _keep_running(self, budget: int) -> tuple[list[Sequence], list[int]]:
     its newest token, or the next chunk of its prompt, while the budget lasts."""
     seqs, num_new = [], []
     for seq in self.running:
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        n = self.chunk(seq, budget)
         if n == 0:
             break  # the budget is spent: the rest wait a step
         seqs.append(seq)
@@ -97,7 +97,18 @@ def _keep_running(self, budget: int) -> tuple[list[Sequence], list[int]]:
     return seqs, num_new
 
 
+def _chunk(self, seq: Sequence, budget: int) -> int:
+    """The tokens a running request computes now: what is left of it, within the
+    budget. While others wait, a prompt's chunk leaves them half of the step's
+    budget: nobody waits behind a long prompt for more than a step."""
+    n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+    if n > 1 and self.waiting:
+        n = min(n, max(1, budget - self.max_num_batched_tokens // 2))
+    return n
+
+
 Scheduler.schedule, Scheduler._keep_running = _schedule, _keep_running
+Scheduler.chunk = _chunk
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21g-scheduler
 def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:

@@ -16,6 +16,9 @@ import uvicorn
 
 from .. import features
 from ..loader import QUANTIZATIONS
+from ..utils import pick_device
+
+CPU_CHUNK_TOKENS = 256  # a CPU's step budget: 2048 prompt tokens take seconds there
 
 # Engine flags a later chapter adds: "--flag" -> (the LLM(...) keyword it becomes,
 # argparse's add_argument keywords). A flag left at None is not passed to LLM.
@@ -62,6 +65,13 @@ def _engine_flags(add) -> None:
         help="the most requests in one batch")
     add("--max-model-len", type=int, default=None, metavar="TOKENS",
         help="the longest prompt plus answer; None: from the model's config")
+    add("--max-num-batched-tokens", type=int, default=None, metavar="TOKENS",
+        help="the most tokens one step computes: a long prompt goes in chunks "
+        f"of this size, so the others wait at most one chunk; None: "
+        f"{CPU_CHUNK_TOKENS} on a CPU, else the engine's default")
+    add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+        default=None, help="split long prompts over steps (Chapter 4); None: "
+        "the engine's default (on)")
     add("--dtype", default=None, help="the weights' float type (float32, "
         "bfloat16, float16, or auto: on a CPU bfloat16 where measured faster); "
         "None: the device's default")
@@ -77,8 +87,8 @@ def _engine_flags(add) -> None:
         add(flag, dest=keyword, **kwargs)
 
 # %% auto #0
-__all__ = ['ENGINE_FLAGS', 'parser', 'port_number', 'seed', 'chat_template', 'engine_args', 'usage_errors', 'main',
-           'BackgroundServer']
+__all__ = ['CPU_CHUNK_TOKENS', 'ENGINE_FLAGS', 'parser', 'port_number', 'seed', 'chat_template', 'engine_args', 'usage_errors',
+           'main', 'BackgroundServer']
 
 # %% ../../chapters/09_serving.ipynb #s60a-cli
 def port_number(text: str) -> int:
@@ -120,6 +130,14 @@ def engine_args(args: argparse.Namespace) -> dict:
               dtype=args.dtype, quantization=args.quantization, seed=args.seed)
     if args.enable_prefix_caching is not None:
         kw["enable_prefix_caching"] = args.enable_prefix_caching
+    if args.enable_chunked_prefill is not None:
+        kw["enable_chunked_prefill"] = args.enable_chunked_prefill
+    budget = args.max_num_batched_tokens
+    if budget is None and args.enable_chunked_prefill is not False \
+            and pick_device().type == "cpu":  # a step of 2048 tokens: seconds
+        budget = max(CPU_CHUNK_TOKENS, args.max_num_seqs)
+    if budget is not None:
+        kw["max_num_batched_tokens"] = budget
     for keyword, _ in features.registry(ENGINE_FLAGS).values():  # when given
         if getattr(args, keyword, None) is not None:
             kw[keyword] = getattr(args, keyword)
