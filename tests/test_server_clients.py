@@ -143,3 +143,34 @@ def test_tokenizer_info_answers_what_lm_eval_reads(served, offline):
     assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
     assert info["tokenizer_class"] and info["model_max_length"] > 0
     assert info["chat_template"] == tok.chat_template
+
+
+def test_the_character_bound_refuses_what_cannot_fit_and_nothing_that_can(served):
+    """Before: 4 x the longest token x max_model_len characters passed the pre-check
+    (2.6 million for SmolLM2, 80 times what fits), and were tokenized before the
+    refusal. Now the bound is the longest token's characters x max_model_len: a text
+    of the longest token repeated until the context is full still passes it."""
+    from minillm.serve.app import merged_chars, prompt_char_limit
+    url, llm = served
+    tok, engine = llm.engine.tokenizer, llm.engine
+    longest = max(range(len(tok)), key=lambda i: len(tok.token_bytes(i)))
+    width = len(tok.token_bytes(longest))
+    assert merged_chars(tok) == 1  # no normalizer
+    assert prompt_char_limit(engine) == width * engine.max_model_len
+    piece = tok.decode([longest])
+    fits = piece * (engine.max_model_len - 8)  # as long as anything that fits
+    assert len(fits) <= prompt_char_limit(engine)
+    r = httpx.post(url + "/tokenize", json={"prompt": fits, "add_special_tokens": False})
+    assert r.status_code == 200 and r.json()["count"] <= engine.max_model_len
+    over = "a" * (prompt_char_limit(engine) + 1)
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": over})
+    assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"]
+
+
+def test_normalizers_that_merge_characters_widen_the_bound():
+    from minillm.serve.app import merged_chars
+
+    class Tok:
+        normalizers = [{"type": "NFC"}, {"type": "Replace", "pattern": {"String": "  "},
+                                         "content": " "}]
+    assert merged_chars(Tok) == 8 and merged_chars(object()) == 4

@@ -33,12 +33,13 @@ MAX_BODY_BYTES = 4 * 2**20  # a request body's default bound (build_app, 413)
 
 # %% auto #0
 __all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'Server', 'server', 'build_app', 'api_error', 'validation_error',
-           'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit', 'health', 'metrics', 'list_models',
-           'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize', 'tokenizer_info', 'docs', 'docs_page',
-           'submit', 'submit_all', 'prompt_list', 'one_prompt', 'check_text', 'rest_of_context', 'Usage', 'samples',
-           'until_disconnect', 'unless_gone', 'finite', 'token_text', 'raw_bytes', 'token_key', 'completion_logprobs',
-           'echo_logprobs', 'echoed', 'chat_logprobs', 'prompt_logprobs_json', 'Sample', 'create_completion',
-           'completion_prompts', 'Choices', 'gather', 'gather_all', 'create_chat_completion', 'sse', 'event_stream']
+           'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit', 'merged_chars', 'health', 'metrics',
+           'list_models', 'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize', 'tokenizer_info', 'docs',
+           'docs_page', 'submit', 'submit_all', 'prompt_list', 'one_prompt', 'check_text', 'rest_of_context', 'Usage',
+           'samples', 'until_disconnect', 'unless_gone', 'finite', 'token_text', 'raw_bytes', 'token_key',
+           'completion_logprobs', 'echo_logprobs', 'echoed', 'chat_logprobs', 'prompt_logprobs_json', 'Sample',
+           'create_completion', 'completion_prompts', 'Choices', 'gather', 'gather_all', 'create_chat_completion',
+           'sse', 'event_stream']
 
 # %% ../../chapters/09_serving.ipynb #s40b-app
 @dataclass
@@ -191,16 +192,35 @@ class BodyLimit:
 
 
 def prompt_char_limit(engine) -> int:
-    """The most characters a text prompt may have before it is tokenized:
-    max_model_len tokens of the tokenizer's longest token (in bytes, so at least
-    its characters), times 4 for normalizers that merge characters. Longer
-    cannot fit; shorter is checked after tokenizing, as before."""
+    """The most characters a text prompt may have before it is tokenized. A token
+    covers at most its bytes in characters (81 for SmolLM2's longest), so longer
+    than max_model_len of the longest cannot fit, times the characters a
+    normalizer may merge into one. Shorter is checked after tokenizing."""
     tok = engine.tokenizer
     try:
         longest = max(len(tok.token_bytes(i)) for i in range(len(tok)))
     except Exception:  # a tokenizer that cannot tell: a generous guess
         longest = 64
-    return 4 * max(longest, 1) * engine.max_model_len
+    return merged_chars(tok) * max(longest, 1) * engine.max_model_len
+
+
+def merged_chars(tok) -> int:
+    """How many characters the tokenizer's normalizers may turn into one: 1
+    without any; NFC composes up to 4 (a letter and three marks); a Replace its
+    pattern's length. A tokenizer that does not say: 4."""
+    steps = getattr(tok, "normalizers", None)
+    if steps is None:
+        return 4
+    factor = 1
+    for step in steps:
+        if step["type"] == "NFC":
+            factor *= 4
+        elif step["type"] == "Replace" and step["content"]:
+            factor *= max(1, -(-len(step["pattern"]["String"]) // len(
+                step["content"])))
+        elif step["type"] == "Replace":  # deleted: only the body's size bounds it
+            return 10**9
+    return factor
 
 # %% ../../chapters/09_serving.ipynb #s43-routes
 @router.get("/health")
