@@ -174,3 +174,48 @@ def test_normalizers_that_merge_characters_widen_the_bound():
         normalizers = [{"type": "NFC"}, {"type": "Replace", "pattern": {"String": "  "},
                                          "content": " "}]
     assert merged_chars(Tok) == 8 and merged_chars(object()) == 4
+
+
+def test_a_response_too_large_is_refused_before_any_work(served):
+    """Before: n=128 with prompt_logprobs=20 on a 2,000-token prompt made a 368 MB
+    response (the prompt's log-probabilities in every answer). The product is bounded
+    before the request is queued, and prompt_logprobs come once per prompt."""
+    url, llm = served
+    prompt = list(range(5, 405))
+    r = httpx.post(url + "/v1/completions", json={
+        "model": NAME, "prompt": prompt, "n": 128, "echo": True, "logprobs": 20,
+        "max_tokens": 16})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "logprobs" and "1,118,208" in error["message"]
+    assert wait_idle(url) and not llm.engine.requests
+    r = httpx.post(url + "/v1/completions", json={  # 128 x 2 answer tokens, fine
+        "model": NAME, "prompt": prompt, "n": 128, "max_tokens": 2,
+        "prompt_logprobs": 20, "temperature": 1.0})
+    assert r.status_code == 200, r.text
+    carrying = [c for c in r.json()["choices"] if c.get("prompt_logprobs")]
+    assert len(carrying) == 1 and len(carrying[0]["prompt_logprobs"]) == 400
+
+
+def test_a_large_answer_is_written_off_the_event_loop(served):
+    """/health answers at once while a response of 800,000 log-probabilities is being
+    built and written as JSON (in a worker thread). Before, on the event loop, /health
+    waited 1.6 s for a response of 540,000; here it takes a few ms."""
+    import threading
+    import time
+    url, _ = served
+    body = {"model": NAME, "prompt": list(range(5, 405)), "n": 96, "echo": True,
+            "logprobs": 20, "max_tokens": 4, "temperature": 1.0}
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault(
+        "r", httpx.post(url + "/v1/completions", json=body, timeout=300)))
+    worker.start()
+    slowest = 0.0
+    while worker.is_alive():
+        t = time.perf_counter()
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        slowest = max(slowest, time.perf_counter() - t)
+        time.sleep(0.05)
+    worker.join()
+    assert result["r"].status_code == 200 and len(result["r"].json()["choices"]) == 96
+    assert slowest < 1.0, slowest

@@ -26,7 +26,8 @@ from .async_engine import AsyncEngine, RequestStream
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest,
                                     CompletionRequest, DetokenizeRequest,
-                                    TokenizeRequest, bad_request)
+                                    TokenizeRequest, bad_request,
+                                    check_response_size)
 
 router = APIRouter()
 MAX_BODY_BYTES = 4 * 2**20  # a request body's default bound (build_app, 413)
@@ -38,8 +39,8 @@ __all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'Server', 'server', 'bui
            'docs_page', 'submit', 'submit_all', 'prompt_list', 'one_prompt', 'check_text', 'rest_of_context', 'Usage',
            'samples', 'until_disconnect', 'unless_gone', 'finite', 'token_text', 'raw_bytes', 'token_key',
            'completion_logprobs', 'echo_logprobs', 'echoed', 'chat_logprobs', 'prompt_logprobs_json', 'Sample',
-           'create_completion', 'completion_prompts', 'Choices', 'gather', 'gather_all', 'create_chat_completion',
-           'sse', 'event_stream']
+           'create_completion', 'completion_prompts', 'Choices', 'off_the_loop', 'gather', 'gather_all',
+           'create_chat_completion', 'sse', 'event_stream']
 
 # %% ../../chapters/09_serving.ipynb #s40b-app
 @dataclass
@@ -591,6 +592,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     scored = {} if not body.echo or k is None else {
         "prompt_logprobs": max(k, body.prompt_logprobs or 0)}
     params = body.sampling_params(1 if only else body.max_tokens, k, {}, **scored)
+    check_response_size(body, [len(i) for i in ids], params.max_tokens)
     streams = await submit_all(s, ids, params)
     usage, head = Usage(sum(map(len, ids))), {
         "id": f"cmpl-{streams[0].request_id}", "object": "text_completion",
@@ -602,8 +604,9 @@ async def create_completion(body: CompletionRequest, request: Request):
     answers = await unless_gone(request, s, streams,
                                 gather_all(s, streams, usage, params.n))
     usage.completion_tokens *= not only  # the token drawn to score is not sent
-    return {**head, "choices": [choice(j, a) for j, per in enumerate(answers)
-                                for a in per], "usage": usage.as_dict()}
+    return await off_the_loop(lambda: {**head, "choices": [
+        choice(j, a) for j, per in enumerate(answers) for a in per],
+        "usage": usage.as_dict()})
 
 # %% ../../chapters/09_serving.ipynb #s47b-choices
 def completion_prompts(body: CompletionRequest) -> tuple[list, bool]:
@@ -645,9 +648,18 @@ class Choices:
             scored = None if body.logprobs is None else echo_logprobs(
                 s, self.ids[j], self.streams[j].prompt_logprobs)
             out = echoed(s, out, self.texts[j], scored, self.only)
-        if body.prompt_logprobs is not None and first:  # vLLM's field, once
-            out["prompt_logprobs"] = prompt_logprobs_json(self.streams[j])
+        if body.prompt_logprobs is not None and first:  # vLLM's field, in the
+            out["prompt_logprobs"] = (prompt_logprobs_json(self.streams[j])  # first
+                                      if c.index == 0 else None)  # answer only
         return out
+
+
+async def off_the_loop(build) -> Response:
+    """A whole response, built and written as JSON in a worker thread: a large
+    one (many answers, log-probabilities) must not stall the event loop."""
+    def encode() -> bytes:
+        return json.dumps(build(), ensure_ascii=False).encode("utf-8")
+    return Response(await asyncio.to_thread(encode), media_type="application/json")
 
 # %% ../../chapters/09_serving.ipynb #s48-gather
 async def gather(stream: RequestStream, usage: Usage, n: int) -> list[Sample]:
@@ -684,6 +696,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     k = body.top_logprobs or 0
     params = body.sampling_params(max_tokens,
                                   k if body.logprobs else None, names)
+    check_response_size(body, [len(prompt_ids)], max_tokens)
     stream = await submit(s, prompt_ids, params, names)
     usage, head = Usage(len(prompt_ids)), {
         "id": f"chatcmpl-{stream.request_id}", "object": "chat.completion",
@@ -703,8 +716,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                             "chat.completion.chunk"}, usage, delta)
     answers = await unless_gone(request, s, [stream],
                                 gather(stream, usage, params.n))
-    choices = [_chat_choice(s, a, k) for a in answers]
-    return {**head, "choices": choices, "usage": usage.as_dict()}
+    return await off_the_loop(lambda: {**head, "choices": [
+        _chat_choice(s, a, k) for a in answers], "usage": usage.as_dict()})
 
 # %% ../../chapters/09_serving.ipynb #s49b-chat
 async def _chat_prompt(s: Server, messages,

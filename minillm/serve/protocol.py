@@ -35,9 +35,10 @@ def bad_request(error: ValueError, names: dict | None = None) -> APIError:
     return APIError(400, str(error), param=(names or {}).get(field, field))
 
 # %% auto #0
-__all__ = ['SAMPLING_FIELDS', 'REQUEST_FIELDS', 'MAX_API_TEMPERATURE', 'OFF', 'NO_OPS', 'APIError', 'bad_request',
-           'StreamOptions', 'CommonRequest', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest',
-           'check_stream_options', 'api_logit_bias', 'check_request', 'TokenizeRequest', 'DetokenizeRequest']
+__all__ = ['SAMPLING_FIELDS', 'REQUEST_FIELDS', 'MAX_API_TEMPERATURE', 'OFF', 'NO_OPS', 'MAX_RESPONSE_LOGPROBS', 'APIError',
+           'bad_request', 'StreamOptions', 'CommonRequest', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest',
+           'check_response_size', 'check_stream_options', 'api_logit_bias', 'check_request', 'TokenizeRequest',
+           'DetokenizeRequest']
 
 # %% ../../chapters/09_serving.ipynb #s11-requests
 class StreamOptions(BaseModel):
@@ -161,6 +162,31 @@ OFF = {  # OpenAI's fields this server does not support -> values that change no
 NO_OPS = {  # fields accepted whatever their value, and why nothing is lost
     "user": "an end user's id, for the provider's abuse checks",
     "metadata": "tags OpenAI keeps with a stored completion; nothing is stored here"}
+
+
+MAX_RESPONSE_LOGPROBS = 1_000_000  # log-probabilities in one response: ~50 MB of JSON
+
+
+def check_response_size(body, prompt_lens: list[int], max_tokens: int) -> None:
+    """A response's log-probabilities are bounded before any work: every answer's
+    tokens (with echo, its prompt's too) times 1 + the alternatives asked for, and
+    each prompt's prompt_logprobs once. A larger product is a 400 that names it."""
+    k = body.logprobs if isinstance(body.logprobs, int) and not isinstance(
+        body.logprobs, bool) else (body.top_logprobs or 0) if body.logprobs else None
+    echo, pk = getattr(body, "echo", False), getattr(body, "prompt_logprobs", None)
+    total, parts = 0, []
+    if k is not None:
+        tokens = sum(max_tokens + (p if echo else 0) for p in prompt_lens)
+        total += body.n * tokens * (1 + k)
+        parts.append(f"n={body.n} x {tokens} tokens x {1 + k}")
+    if pk is not None:
+        total += sum(prompt_lens) * (1 + pk)
+        parts.append(f"{sum(prompt_lens)} prompt tokens x {1 + pk}")
+    if total > MAX_RESPONSE_LOGPROBS:
+        raise APIError(400, f"{' + '.join(parts)} = {total:,} log-probabilities in "
+                       f"one response; at most {MAX_RESPONSE_LOGPROBS:,}: ask for "
+                       "fewer answers, tokens or alternatives",
+                       param="logprobs" if k is not None else "prompt_logprobs")
 
 
 def check_stream_options(body) -> None:
