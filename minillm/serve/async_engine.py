@@ -11,7 +11,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from .. import features
 from .protocol import APIError
+
+# A later chapter's work on a request before the engine thread takes it, so that the
+# thread never waits for it: name -> async prepare(engine, params), which may raise
+# ValueError (a 400) or APIError (chapter 11: compile its grammar in a worker thread).
+REQUEST_PREPARERS: dict = {}
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,7 @@ class EngineStats:
         return self.kv_reserved / max(self.kv_capacity, 1)
 
 # %% auto #0
-__all__ = ['EngineStats', 'RequestStream', 'AsyncEngine']
+__all__ = ['REQUEST_PREPARERS', 'EngineStats', 'RequestStream', 'AsyncEngine']
 
 # %% ../../chapters/09_serving.ipynb #s20b-stream
 @dataclass(eq=False)
@@ -103,6 +109,8 @@ async def _add(self, prompt_ids: list[int], params) -> RequestStream:
     """Queue one request; returns once the engine has accepted it. A full
     queue is a 429, a request the engine refuses a 400: before any work."""
     self._check_room(params.n)  # 503: not running; 429: the queue is full
+    for prepare in features.registry(REQUEST_PREPARERS).values():
+        await prepare(self.engine, params)  # off the engine thread (chapter 11)
     now = time.perf_counter()
     deadline = None if self.request_timeout is None else now + self.request_timeout
     stream = RequestStream(uuid.uuid4().hex, prompt_ids, params, deadline, now)

@@ -47,7 +47,8 @@ class XGrammarBackend:
         self.xgr = xgr
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
                                  stop_token_ids=stop_ids)  # b"": a special token
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.compiler = xgr.GrammarCompiler(  # the manager caches, bounded in bytes
+            info, max_threads=1, cache_enabled=False)
 
     def compile(self, so):
         c, value = self.compiler, getattr(so, so.kind)

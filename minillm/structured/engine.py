@@ -4,6 +4,7 @@
 """Chapter 11: structured output in the engine, as a logits processor."""
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -14,9 +15,11 @@ from ..engine.config import register_engine_option
 from ..engine.llm_engine import REQUEST_CHECKS
 from .backends import BACKENDS, token_vocab, xgrammar_available
 
+MAX_GRAMMAR_CACHE_BYTES = 256 * 2**20  # compiled grammars kept (one schema: ~94 MB)
+
 # %% auto #0
-__all__ = ['apply_bitmask', 'GrammarState', 'StructuredOutputManager', 'compile_constraint', 'structured_outputs_option',
-           'add_manager', 'check_structured_outputs_config']
+__all__ = ['MAX_GRAMMAR_CACHE_BYTES', 'apply_bitmask', 'GrammarState', 'StructuredOutputManager', 'compile_constraint',
+           'structured_outputs_option', 'add_manager', 'check_structured_outputs_config']
 
 # %% ../../chapters/11_structured_output.ipynb #s72-apply
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -50,17 +53,27 @@ class StructuredOutputManager:
 
     def __init__(self, engine, backend: str):
         self.engine, self.backend_name, self._backend = engine, backend, None
-        self.compiled: OrderedDict = OrderedDict()  # (kind, text) -> compiled
+        self.compiled: OrderedDict = OrderedDict()  # (kind, text) -> (it, bytes)
+        self.cached_bytes = 0
+        self.lock = threading.Lock()  # a server compiles in a worker thread
         self.mask_seconds = 0.0  # spent building and applying masks (for benchmarks)
 
     def compile(self, so):
-        """The compiled grammar of a StructuredOutputsParams, from the cache."""
-        if so.key not in self.compiled:
-            self.compiled[so.key] = self.backend.compile(so)  # ValueError: refused
-            if len(self.compiled) > 64:
-                self.compiled.popitem(last=False)  # the least recently used
-        self.compiled.move_to_end(so.key)
-        return self.compiled[so.key]
+        """The compiled grammar of a StructuredOutputsParams, from the cache (the
+        least recently used go past MAX_GRAMMAR_CACHE_BYTES)."""
+        with self.lock:
+            if so.key in self.compiled:
+                self.compiled.move_to_end(so.key)
+                return self.compiled[so.key][0]
+        compiled = self.backend.compile(so)  # ValueError: refused
+        size = getattr(compiled, "memory_size_bytes", 0)
+        with self.lock:
+            self.compiled[so.key] = compiled, size
+            self.cached_bytes = sum(b for _, b in self.compiled.values())
+            while self.cached_bytes > MAX_GRAMMAR_CACHE_BYTES and len(
+                    self.compiled) > 1:
+                self.cached_bytes -= self.compiled.popitem(last=False)[1][1]
+        return compiled
 
     def __call__(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs)
@@ -128,12 +141,14 @@ REQUEST_CHECKS.append(compile_constraint)
 
 # %% ../../chapters/11_structured_output.ipynb #s74b-backend
 def _backend(self):
-    """The backend, built on first use from the engine's tokenizer."""
-    if self._backend is None:
-        model = self.engine.model
-        vocab = token_vocab(self.engine.tokenizer, model.config.vocab_size)
-        self._backend = BACKENDS[self.backend_name](
-            vocab, sorted(model.config.eos_token_ids), model.config.vocab_size)
+    """The backend, built on first use from the engine's tokenizer (once, also
+    when the engine thread and a server's compile ask at the same time)."""
+    with self.lock:
+        if self._backend is None:
+            model = self.engine.model
+            vocab = token_vocab(self.engine.tokenizer, model.config.vocab_size)
+            self._backend = BACKENDS[self.backend_name](
+                vocab, sorted(model.config.eos_token_ids), model.config.vocab_size)
     return self._backend
 
 

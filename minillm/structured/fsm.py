@@ -326,6 +326,10 @@ class FSMGrammar:
         self.stop_ids, self.vocab_size = stop_ids, vocab_size
         self.masks: dict[int, torch.Tensor] = {}
 
+    @property
+    def memory_size_bytes(self) -> int:  # what its masks take, once all are made
+        return len(self.dfa.next) * 4 * ((self.vocab_size + 31) // 32)
+
     def mask(self, state: int) -> torch.Tensor:
         if state not in self.masks:
             ids = allowed_tokens(self.dfa, state, self.groups)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from .. import sampling
 
 # %% auto #0
-__all__ = ['KINDS', 'MAX_SPEC_CHARS', 'MAX_CHOICES', 'MAX_CHOICE_CHARS', 'StructuredOutputsParams', 'structured_outputs_field',
-           'check_structured_outputs', 'as_structured_outputs']
+__all__ = ['KINDS', 'MAX_SPEC_CHARS', 'MAX_CHOICES', 'MAX_CHOICE_CHARS', 'MAX_SCHEMA_DEPTH', 'StructuredOutputsParams',
+           'structured_outputs_field', 'json_depth', 'check_structured_outputs', 'as_structured_outputs']
 
 # %% ../../chapters/11_structured_output.ipynb #s21-params
 @dataclass(frozen=True)
@@ -48,6 +48,19 @@ sampling.SAMPLING_FIELDS["structured_outputs"] = structured_outputs_field
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_SPEC_CHARS = 65_536  # a schema, regex or grammar, as text
 MAX_CHOICES, MAX_CHOICE_CHARS = 1024, 1024
+MAX_SCHEMA_DEPTH = 32  # nesting of a JSON Schema: its compile time grows with it
+
+
+def json_depth(value) -> int:
+    """How deeply dicts and lists nest in `value` (counted without recursion: a
+    schema 5,000 levels deep must not overflow Python's stack)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, depth)
+            todo += [(x, depth + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return deepest
 
 
 def check_structured_outputs(p: StructuredOutputsParams) -> None:
@@ -62,8 +75,13 @@ def check_structured_outputs(p: StructuredOutputsParams) -> None:
         if isinstance(value, str) and len(value) <= MAX_SPEC_CHARS:
             try:
                 value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs json: not JSON ({e})") from None
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"structured_outputs json: not JSON, or nested "
+                                 f"too deeply ({e})") from None
+        depth = json_depth(value)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured_outputs json: the schema nests {depth} "
+                             f"levels deep; at most {MAX_SCHEMA_DEPTH}")
         if not isinstance(value, dict) or len(json.dumps(value)) > MAX_SPEC_CHARS:
             raise ValueError(f"structured_outputs json={value!r:.60}: give a JSON "
                              f"Schema (a dict) of at most {MAX_SPEC_CHARS} characters")

@@ -5,6 +5,10 @@
 (and guided_*), in chapter 9's REQUEST_FIELDS."""
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from ..serve.async_engine import REQUEST_PREPARERS
 from ..serve.protocol import REQUEST_FIELDS, APIError
 from .params import StructuredOutputsParams
 
@@ -54,5 +58,28 @@ REQUEST_FIELDS["structured_outputs"] = vllm_field("structured_outputs")
 for name, key in GUIDED.items():
     REQUEST_FIELDS[name] = vllm_field(name, key)
 
+COMPILE_TIMEOUT = 10.0  # seconds a grammar may take to compile, queue included
+COMPILER = ThreadPoolExecutor(1, thread_name_prefix="grammar")  # one at a time
+
+
+async def compile_grammar(engine, params) -> None:
+    """A request's grammar compiled in a worker thread, into the cache the engine
+    thread reads: the request waits, the others run (vLLM's way). One compile runs
+    at a time; one that outlasts COMPILE_TIMEOUT is a 400 (it finishes unseen)."""
+    so = getattr(params, "structured_outputs", None)
+    manager = getattr(engine, "structured_output_manager", None)
+    if so is None or manager is None:
+        return
+    work = asyncio.get_running_loop().run_in_executor(COMPILER, manager.compile, so)
+    try:
+        await asyncio.wait_for(work, COMPILE_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise APIError(400, f"structured_outputs {so.kind}: its grammar did not "
+                       f"compile within {COMPILE_TIMEOUT:g} s; give a simpler one",
+                       param="structured_outputs") from None
+
+
+REQUEST_PREPARERS["compile_grammar"] = compile_grammar
+
 # %% auto #0
-__all__ = ['GUIDED', 'response_format_params', 'vllm_field']
+__all__ = ['GUIDED', 'COMPILE_TIMEOUT', 'COMPILER', 'response_format_params', 'vllm_field', 'compile_grammar']
