@@ -285,3 +285,28 @@ def test_chapter_4s_picture_of_one_budget_is_what_the_scheduler_does(model):
     assert steps == [[("A", 1), ("B", 1), ("C", 6)],
                      [("A", 1), ("B", 1), ("C", 2), ("D", 4)],
                      [("A", 1), ("B", 1), ("C", 4), ("D", 1)]]
+
+
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_a_request_of_128_answers_leaves_rows_to_a_request_of_one(model, kv_cache):
+    """Before: n=128 on 32 rows put its extra answers ahead of everyone (chapter 6 at
+    the front of the queue), and a 1-token request sent a step later waited 200 steps.
+    Extra answers leave an eighth of the rows free: it finishes in the next step."""
+    from minillm.engine.llm_engine import LLMEngine
+    from minillm.sampling import SamplingParams
+    engine = LLMEngine(model, max_num_seqs=32, max_model_len=64, kv_cache=kv_cache)
+    engine.add_request([5, 6, 7, 8], SamplingParams(
+        n=128, max_tokens=20, ignore_eos=True, temperature=1.0, seed=1))
+    engine.step()
+    engine.add_request([5, 6, 7], greedy(1), request_id="short")
+    steps = 0
+    while not engine.is_finished("short"):
+        engine.step()
+        steps += 1
+        extras = sum(s.index > 0 for s in engine.scheduler.running)
+        assert extras <= 28
+    assert steps == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert all(len(a.output_ids) == 20 for a in engine.pop(
+        next(r for r in engine.groups if r != "short")))

@@ -110,7 +110,7 @@ def _release(self, parent: Sequence) -> None:
         if child.is_finished:
             continue  # aborted while it waited
         if computed and len(self.running) < self.max_num_seqs \
-                and self.kv.fork(parent, child):
+                and self.extra_room() and self.kv.fork(parent, child):
             child.num_computed_tokens = len(child.prompt_ids) - 1
             child.status = RUNNING
             self.running.append(child)

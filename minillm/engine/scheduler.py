@@ -112,17 +112,23 @@ Scheduler.chunk = _chunk
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21g-scheduler
 def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:
-    """Waiting requests, FIFO, while they fit: each one's tokens go to num_new."""
+    """Waiting requests, FIFO, while they fit: each one's tokens go to num_new.
+    The extra answers of n > 1 requests (index > 0) leave an eighth of the
+    rows to others: a request behind them takes such a row ahead of them."""
     admitted: list[Sequence] = []
     while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-        seq = self.waiting[0]  # strict FIFO: nobody overtakes the head
+        seq = self.waiting[0]  # FIFO: nobody overtakes the head, but
+        if seq.index > 0 and not self.extra_room():  # an n > 1 request's extras
+            seq = next((s for s in self.waiting if s.index == 0), None)
+            if seq is None:
+                break
         todo = seq.num_tokens - self.kv.cached_tokens(seq)  # to compute
         if todo > budget and (self.policy == "static"
                               or not self.enable_chunked_prefill):
             break  # waits for a step with room for the whole prompt
         if not self.kv.can_allocate(seq):
             break
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         seq.num_computed_tokens = self.kv.allocate(seq)  # K/V it has already
         seq.status = RUNNING
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -133,7 +139,15 @@ def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:
     return admitted
 
 
-Scheduler._admit = _admit
+def _extra_room(self) -> bool:
+    """May one more extra answer (index > 0) of an n > 1 request run? Extras leave
+    an eighth of the rows (at least one) free, so n=128 cannot hold the whole
+    batch while a request of one answer waits."""
+    extras = sum(s.index > 0 for s in self.running)
+    return extras < max(1, self.max_num_seqs - max(1, self.max_num_seqs // 8))
+
+
+Scheduler._admit, Scheduler.extra_room = _admit, _extra_room
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21g-static
 def _schedule_static(self) -> Batch | None:
