@@ -124,3 +124,28 @@ def test_a_message_key_the_server_would_drop_is_refused(served):
         "model": NAME, "max_tokens": 2,
         "messages": [{"role": "user", "content": "hi", "name": "ann"}]})
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("schema, named", [
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "allOf"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+     "uniqueItems at properties.tags"),
+    ({"not": {"type": "integer"}}, "not")])
+def test_a_schema_keyword_xgrammar_would_drop_is_a_400(served, schema, named):
+    """Before: {"allOf": [...]} answered 200 with JSON that broke the schema (xgrammar
+    compiles it and enforces only the first member)."""
+    url, engine = served
+    r = httpx.post(url + "/v1/completions", json={
+        "model": NAME, "prompt": "A", "max_tokens": 8, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
+    assert wait_idle(url) and not engine.requests
+
+
+def test_a_property_named_like_a_keyword_is_not_one():
+    from minillm.structured.backends import unenforced
+    schema = {"type": "object", "properties": {"not": {"type": "integer"},
+                                               "contains": {"type": "string"}},
+              "allOf": [{"required": ["not"]}]}
+    assert unenforced(schema) is None
+    assert unenforced({"$defs": {"x": {"if": {}}}, "$ref": "#/$defs/x"}) == "if at $defs.x"

@@ -10,7 +10,8 @@ import re
 from .fsm import FSMGrammar, FSMMatcher, schema_regex, token_groups
 
 # %% auto #0
-__all__ = ['BACKENDS', 'FSMBackend', 'XGrammarBackend', 'token_vocab', 'xgrammar_available']
+__all__ = ['UNENFORCED', 'SUBSCHEMAS', 'BACKENDS', 'FSMBackend', 'XGrammarBackend', 'unenforced', 'token_vocab',
+           'xgrammar_available']
 
 # %% ../../chapters/11_structured_output.ipynb #s61-backends
 class FSMBackend:
@@ -52,6 +53,10 @@ class XGrammarBackend:
 
     def compile(self, so):
         c, value = self.compiler, getattr(so, so.kind)
+        if so.kind == "json" and (dropped := unenforced(value)):
+            raise ValueError(f"structured_outputs json: xgrammar does not enforce "
+                             f"{dropped}, so an answer could break the schema; "
+                             "leave it out")
         try:
             if so.kind == "json":
                 return c.compile_json_schema(json.dumps(value), any_whitespace=False)
@@ -70,6 +75,41 @@ class XGrammarBackend:
 
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
+
+# %% ../../chapters/11_structured_output.ipynb #s61d-unenforced
+# JSON Schema keywords xgrammar 0.2.9 compiles but does not enforce (each tried: a
+# value the keyword forbids still matched), so a schema that uses one is refused
+UNENFORCED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains",
+              "maxContains", "dependentRequired", "dependentSchemas",
+              "unevaluatedProperties", "unevaluatedItems")
+SUBSCHEMAS = {"properties": "map", "patternProperties": "map", "$defs": "map",
+              "definitions": "map", "items": "one or list", "prefixItems": "list",
+              "anyOf": "list", "oneOf": "list", "allOf": "list",
+              "additionalProperties": "one", "propertyNames": "one"}
+
+
+def unenforced(schema) -> str | None:
+    """The first keyword of `schema` (or of a schema inside it) that xgrammar would
+    drop, with where it is: "uniqueItems at properties.tags"; None if none."""
+    todo = [(schema, "the top")]
+    while todo:
+        node, where = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        found = [k for k in UNENFORCED if k in node]
+        if len(node.get("allOf", [])) > 1:  # one member is enforced, more are not
+            found.append("allOf with more than one schema")
+        if found:
+            return f"{found[0]} at {where}"
+        for key, shape in SUBSCHEMAS.items():
+            sub = node.get(key)
+            if shape == "map" and isinstance(sub, dict):
+                todo += [(v, f"{key}.{k}") for k, v in sub.items()]
+            elif isinstance(sub, list):
+                todo += [(v, f"{key}[{i}]") for i, v in enumerate(sub)]
+            elif sub is not None:
+                todo.append((sub, key))
+    return None
 
 # %% ../../chapters/11_structured_output.ipynb #s62-backend-helpers
 def token_vocab(tokenizer, vocab_size: int) -> list[bytes]:
