@@ -149,3 +149,26 @@ def test_a_property_named_like_a_keyword_is_not_one():
               "allOf": [{"required": ["not"]}]}
     assert unenforced(schema) is None
     assert unenforced({"$defs": {"x": {"if": {}}}, "$ref": "#/$defs/x"}) == "if at $defs.x"
+
+
+def test_a_truncated_body_is_a_400_that_says_so(served):
+    """Before: the error named param "28" (a character position, not a field)."""
+    url, _ = served
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny", "prompt": "ab',
+                   headers={"content-type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] is None
+    assert "not valid JSON" in error["message"] and "character 28" in error["message"]
+
+
+def test_a_streamed_chat_answer_ends_with_its_stop_reason(served):
+    url, _ = served
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 30, "temperature": 0, "stream": True, "stop": ["\n"]}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    last = [c for c in chunks if c["choices"]][-1]["choices"][0]
+    assert "stop_reason" in last and last["finish_reason"] in ("stop", "length")
+    if last["finish_reason"] == "stop":
+        assert last["stop_reason"] in ("\n", None)

@@ -106,6 +106,11 @@ async def api_error(request: Request, e: APIError) -> JSONResponse:
 async def validation_error(request: Request, e: RequestValidationError):
     """pydantic's complaint as OpenAI's 400 (FastAPI's own answer is a 422)."""
     first = e.errors()[0]
+    if first["type"] == "json_invalid":  # its loc is a character, not a field
+        where = first.get("ctx", {}).get("error", first["msg"])
+        return await api_error(request, APIError(
+            400, f"the body is not valid JSON: {where} (character "
+            f"{first['loc'][-1]})"))
     loc = [str(x) for x in first["loc"] if x != "body"]
     param = ".".join(loc) or None
     return await api_error(request, APIError(
@@ -711,7 +716,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                 d["content"] = c.text
             return {"index": c.index, "delta": d,
                     "logprobs": chat_logprobs(s, c, k),
-                    "finish_reason": c.finish_reason}
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         return event_stream(s, stream, body, {**head, "object":
                             "chat.completion.chunk"}, usage, delta)
     answers = await unless_gone(request, s, [stream],
