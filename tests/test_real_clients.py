@@ -1,0 +1,132 @@
+"""The programs people point at an OpenAI server, run for real against chapter 9's server
+(issue 53): lm-evaluation-harness's `local-completions` (a multiple-choice task and a
+generate_until task, local jsonl files, --batch_size 4, its default tokenizer: the server's
+/tokenizer_info, /tokenize and /detokenize), and LangChain's ChatOpenAI (invoke, stream,
+with_structured_output). lm-eval's log-likelihoods must be the offline engine's."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("fastapi")
+
+from minillm.sampling import SamplingParams  # noqa: E402
+from minillm.serve.app import build_app  # noqa: E402
+from minillm.serve.cli import BackgroundServer  # noqa: E402
+from test_serve import NAME, tiny_llm  # noqa: E402
+
+DATA = Path(__file__).parent / "data" / "lm_eval"
+TASKS = {
+    "tinymc": """output_type: multiple_choice
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+""",
+    "tinygen": """output_type: generate_until
+doc_to_target: "{{target}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 16
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def served():
+    llm = tiny_llm(max_num_seqs=8)
+    with BackgroundServer(build_app(llm, NAME)) as server:
+        yield server.url, llm
+    assert not llm.engine.requests
+
+
+def write_tasks(folder: Path) -> None:
+    files = {"tinymc": DATA / "mc.jsonl", "tinygen": DATA / "gen.jsonl"}
+    for name, rest in TASKS.items():
+        (folder / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {files[name]}\ntest_split: test\n"
+            'doc_to_text: "{{context}}"\n' + rest, encoding="utf-8")
+
+
+def test_lm_eval_scores_against_the_server_as_the_offline_engine(served, tmp_path):
+    url, llm = served
+    write_tasks(tmp_path)
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf"), "TQDM_DISABLE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "local-completions",
+         "--model_args", f"model={NAME},base_url={url}/v1/completions,"
+         "num_concurrent=1,max_retries=1", "--tasks", "tinymc,tinygen",
+         "--include_path", str(tmp_path), "--batch_size", "4", "--log_samples",
+         "--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tok = llm.get_tokenizer()
+    scored = 0
+    mc = next((tmp_path / "out").rglob("samples_tinymc_*.jsonl"))
+    for line in mc.read_text().splitlines():
+        sample = json.loads(line)
+        for args, resp in zip(sample["arguments"].values(), sample["resps"]):
+            context = tok.encode(args["arg_0"], False)
+            whole = context + tok.encode(args["arg_1"], False)
+            out = llm.generate([{"prompt_token_ids": whole}], SamplingParams(
+                temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+            want = sum(top[t].logprob for t, top in zip(
+                whole[len(context):], out.prompt_logprobs[len(context):]))
+            assert float(resp[0][0]) == pytest.approx(want, abs=1e-4)
+            scored += 1
+    assert scored == 12
+    gen = next((tmp_path / "out").rglob("samples_tinygen_*.jsonl"))
+    for line in gen.read_text().splitlines():
+        sample = json.loads(line)
+        prompt = sample["arguments"]["gen_args_0"]["arg_0"]
+        want = llm.generate([{"prompt_token_ids": tok.encode(prompt, False)}],
+                            SamplingParams(temperature=0, max_tokens=16, stop=["\n"]),
+                            use_tqdm=False)[0].outputs[0].text
+        assert sample["resps"][0][0] == want
+
+
+def test_langchain_chat_openai_invokes_streams_and_structures(served):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    url, llm = served
+    chat = langchain_openai.ChatOpenAI(model=NAME, base_url=url + "/v1", api_key="none",
+                                       temperature=0, max_tokens=12, max_retries=0)
+    answer = chat.invoke("What news?")
+    want = llm.chat([{"role": "user", "content": "What news?"}],
+                    SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert answer.content == want[0].outputs[0].text
+    assert "".join(c.content for c in chat.stream("What news?")) == answer.content
+    schema = {"title": "Line", "type": "object",
+              "properties": {"speaker": {"type": "string", "maxLength": 12}},
+              "required": ["speaker"], "additionalProperties": False}
+    longer = langchain_openai.ChatOpenAI(model=NAME, base_url=url + "/v1",
+                                         api_key="none", temperature=0, max_tokens=60,
+                                         max_retries=0)
+    result = longer.with_structured_output(schema).invoke("Who speaks?")
+    assert set(result) == {"speaker"} and isinstance(result["speaker"], str)
+
+
+def test_langchain_tool_calls_are_refused_clearly_until_they_are_built(served):
+    """Tool calls are the next part of issue 53 (chapter 11); until then LangChain's
+    function_calling path gets a 400 that names `tools`, never a silent answer."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    import openai
+    url, _ = served
+    chat = langchain_openai.ChatOpenAI(model=NAME, base_url=url + "/v1", api_key="none",
+                                       max_tokens=8, max_retries=0)
+    schema = {"title": "Line", "type": "object",
+              "properties": {"speaker": {"type": "string"}}, "required": ["speaker"]}
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        chat.with_structured_output(schema, method="function_calling").invoke("Who?")
