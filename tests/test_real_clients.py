@@ -98,6 +98,33 @@ def test_lm_eval_scores_against_the_server_as_the_offline_engine(served, tmp_pat
         assert sample["resps"][0][0] == want
 
 
+def test_lm_eval_local_chat_completions_generates_as_llm_chat(served, tmp_path):
+    """lm-eval's chat model (`local-chat-completions`, batch 1, with the chat template
+    applied by the server) on the generate_until task: each answer is LLM.chat's."""
+    url, llm = served
+    write_tasks(tmp_path)
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf"), "TQDM_DISABLE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "local-chat-completions",
+         "--model_args", f"model={NAME},base_url={url}/v1/chat/completions,"
+         "num_concurrent=1,max_retries=1", "--tasks", "tinygen", "--include_path",
+         str(tmp_path), "--apply_chat_template", "--log_samples", "--output_path",
+         str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    gen = next((tmp_path / "out").rglob("samples_tinygen_*.jsonl"))
+    answers = 0
+    for line in gen.read_text().splitlines():
+        sample = json.loads(line)
+        messages = json.loads(sample["arguments"]["gen_args_0"]["arg_0"][0])
+        want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16,
+                                                 stop=["\n"]), use_tqdm=False)
+        assert sample["resps"][0][0] == want[0].outputs[0].text
+        answers += 1
+    assert answers == 4
+
+
 def test_langchain_chat_openai_invokes_streams_and_structures(served):
     langchain_openai = pytest.importorskip("langchain_openai")
     url, llm = served
