@@ -231,7 +231,6 @@ BAD = [  # (endpoint, fields, the param the 400 names)
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": ["a"] * 129}, "prompt"),
     ("completions", {"prompt": ["a", "b"], "n": 65}, "prompt"),
-    ("completions", {"prompt": ["a", "b"], "stream": True}, "stream"),
     ("completions", {"echo": True, "max_tokens": 0, "stream": True}, "stream"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),

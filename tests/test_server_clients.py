@@ -219,3 +219,22 @@ def test_a_large_answer_is_written_off_the_event_loop(served):
     worker.join()
     assert result["r"].status_code == 200 and len(result["r"].json()["choices"]) == 96
     assert slowest < 1.0, slowest
+
+
+def test_several_prompts_stream_prompt_major(served, offline):
+    """stream=true with a list of prompts: each chunk's index is prompt * n + answer,
+    and each answer's pieces add up to the offline answer of its prompt."""
+    url, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    prompts = ["ROMEO:\n", "JULIET:\n", "HAMLET:\n"]
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(model=NAME, prompt=prompts, n=2,
+                                           max_tokens=8, temperature=0, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    outs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8),
+                            use_tqdm=False)
+    assert sorted(texts) == list(range(6))
+    for index, text in texts.items():
+        assert text == outs[index // 2].outputs[0].text
+    assert wait_idle(url)

@@ -40,7 +40,7 @@ __all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'Server', 'server', 'bui
            'samples', 'until_disconnect', 'unless_gone', 'finite', 'token_text', 'raw_bytes', 'token_key',
            'completion_logprobs', 'echo_logprobs', 'echoed', 'chat_logprobs', 'prompt_logprobs_json', 'Sample',
            'create_completion', 'completion_prompts', 'Choices', 'off_the_loop', 'gather', 'gather_all',
-           'create_chat_completion', 'sse', 'event_stream']
+           'create_chat_completion', 'sse', 'event_stream', 'interleave', 'abort_all']
 
 # %% ../../chapters/09_serving.ipynb #s40b-app
 @dataclass
@@ -603,9 +603,8 @@ async def create_completion(body: CompletionRequest, request: Request):
         "id": f"cmpl-{streams[0].request_id}", "object": "text_completion",
         "created": int(time.time()), "model": s.model_name}
     choice = Choices(s, body, prompts, ids, streams, only)
-    if body.stream:  # one prompt (completion_prompts says so)
-        return event_stream(s, streams[0], body, head, usage,
-                            lambda c: choice(0, c))
+    if body.stream:  # every prompt's answers, as they come
+        return event_stream(s, streams, body, head, usage, choice)
     answers = await unless_gone(request, s, streams,
                                 gather_all(s, streams, usage, params.n))
     usage.completion_tokens *= not only  # the token drawn to score is not sent
@@ -616,13 +615,13 @@ async def create_completion(body: CompletionRequest, request: Request):
 # %% ../../chapters/09_serving.ipynb #s47b-choices
 def completion_prompts(body: CompletionRequest) -> tuple[list, bool]:
     """The request's prompts, and whether it only scores them (echo with
-    max_tokens=0). A stream carries one prompt, and answers something."""
+    max_tokens=0; a stream must answer something)."""
     prompts = prompt_list(body.prompt, body.n)
     only = body.echo and body.max_tokens == 0
-    if body.stream and (len(prompts) > 1 or only):
-        raise APIError(400, f"stream=true takes one prompt with max_tokens >= 1, "
-                       f"not {len(prompts)} prompts with max_tokens="
-                       f"{body.max_tokens}; send stream=false", param="stream")
+    if body.stream and only:
+        raise APIError(400, "stream=true with echo and max_tokens=0 (the prompt "
+                       "scored, nothing generated): send stream=false",
+                       param="stream")
     return prompts, only
 
 
@@ -709,7 +708,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if body.stream:
         started = set()  # the first chunk of each answer names the role
 
-        def delta(c) -> dict:
+        def delta(_, c) -> dict:  # one prompt: j is 0
             d = {} if c.index in started else {"role": "assistant"}
             started.add(c.index)
             if c.text:
@@ -717,7 +716,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
             return {"index": c.index, "delta": d,
                     "logprobs": chat_logprobs(s, c, k),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        return event_stream(s, stream, body, {**head, "object":
+        return event_stream(s, [stream], body, {**head, "object":
                             "chat.completion.chunk"}, usage, delta)
     answers = await unless_gone(request, s, [stream],
                                 gather(stream, usage, params.n))
@@ -765,31 +764,65 @@ def sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def event_stream(s: Server, stream: RequestStream, body, head: dict,
+def event_stream(s: Server, streams: list[RequestStream], body, head: dict,
                  usage: Usage, choice) -> StreamingResponse:
-    """The answer as server-sent events: one chunk per sample and step, then
-    (stream_options.include_usage) the usage, then `data: [DONE]`. If the
-    client leaves, the request is aborted and its KV memory freed at once."""
+    """The answers as server-sent events: one chunk per sample and step (of
+    every prompt's request, as they come), then (stream_options.include_usage)
+    the usage, then `data: [DONE]`. If the client leaves, the requests are
+    aborted and their KV memory freed at once."""
     options = body.stream_options
     with_usage = bool(options and options.include_usage)
     every = bool(options and options.continuous_usage_stats)  # the usage so far
 
     async def events():
         try:
-            async for c in samples(stream, usage):
+            async for j, c in interleave(streams, usage):  # j: the prompt
                 if c.text or c.finish_reason or c.logprobs:
                     extra = {"usage": usage.as_dict() if every else None}
-                    yield sse({**head, "choices": [choice(c)],
+                    yield sse({**head, "choices": [choice(j, c)],
                                **(extra if with_usage else {})})
             if with_usage:
                 yield sse({**head, "choices": [], "usage": usage.as_dict()})
         except APIError as e:  # a timeout, an error: the client raises it
             yield sse(e.body())
         finally:
-            s.engine.abort(stream.request_id)  # a no-op once it has finished
+            abort_all(s, streams)  # a no-op for those that have finished
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(
         events(), media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
-        background=BackgroundTask(s.engine.abort, stream.request_id))
+        background=BackgroundTask(abort_all, s, streams))
+
+# %% ../../chapters/09_serving.ipynb #s50b-interleave
+async def interleave(streams: list[RequestStream], usage: Usage):
+    """(prompt j, CompletionOutput) from every prompt's stream, in the order they
+    come: each stream is read by a task of its own into one queue."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(j: int, stream: RequestStream) -> None:
+        try:
+            async for c in samples(stream, usage):
+                await queue.put((j, c))
+            await queue.put((j, None))  # this stream is done
+        except BaseException as e:  # an APIError, or cancelled: passed on
+            await queue.put((j, e))
+    tasks = [asyncio.ensure_future(pump(j, st)) for j, st in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            j, c = await queue.get()
+            if c is None:
+                left -= 1
+            elif isinstance(c, BaseException):
+                raise c
+            else:
+                yield j, c
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def abort_all(s: Server, streams: list[RequestStream]) -> None:
+    for stream in streams:
+        s.engine.abort(stream.request_id)
