@@ -157,3 +157,24 @@ def test_langchain_tool_calls_are_refused_clearly_until_they_are_built(served):
               "properties": {"speaker": {"type": "string"}}, "required": ["speaker"]}
     with pytest.raises(openai.BadRequestError, match="tools"):
         chat.with_structured_output(schema, method="function_calling").invoke("Who?")
+
+
+def test_the_openai_clients_parse_returns_a_pydantic_object(served):
+    """openai's `chat.completions.parse(response_format=Model)`: a strict json_schema
+    made from a pydantic model, answered under chapter 11's grammar and parsed back."""
+    import openai
+    from typing import Literal
+
+    from pydantic import BaseModel
+    url, _ = served
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        sure: bool
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.parse(
+        model=NAME, messages=[{"role": "user", "content": "Is it so?"}],
+        response_format=Verdict, max_tokens=40, temperature=0)
+    parsed = reply.choices[0].message.parsed
+    assert isinstance(parsed, Verdict) and parsed.answer in ("yes", "no")
