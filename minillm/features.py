@@ -26,6 +26,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
                                              "minillm.structured.engine"),  # chapter 11
     "minillm.serve.protocol.REQUEST_FIELDS": ("minillm.structured.serve",),  # ch. 11
     "minillm.serve.async_engine.REQUEST_PREPARERS": ("minillm.structured.serve",),
+    "minillm.serve.app.CHAT_REPLIES": ("minillm.structured.serve",),       # ch. 11
     "minillm.serve.cli.ENGINE_FLAGS": ("minillm.spec.serve",),             # ch. 10
     "minillm.serve.metrics.METRIC_COLLECTORS": ("minillm.spec.serve",),    # ch. 10
 }

@@ -1221,24 +1221,27 @@ def _chat_environment():
 
 
 def _check_messages(messages) -> list[dict]:
-    "A conversation: a list of {'role': str, 'content': str}; ValueError otherwise."
+    "A conversation: a list of {'role': str, 'content': str, ...}; else ValueError."
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages={messages!r}: give a non-empty list of "
                          "{'role': ..., 'content': ...} dicts")
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
-            raise ValueError(f"messages[{i}] is {m!r}: each message is a dict with "
-                             "a 'role' and a 'content' string")
+        calls = isinstance(m, dict) and m.get("tool_calls")  # content may be None
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and (
+                isinstance(m.get("content"), str) or calls and m["content"] is None)):
+            raise ValueError(f"messages[{i}] is {m!r:.200}: each message is a dict "
+                             "with a 'role' and a 'content' string (None only beside "
+                             "'tool_calls')")
     return [dict(m) for m in messages]
 
 # %% ../chapters/01_tokenizer.ipynb #c061
 def _apply_chat_template(self, messages, add_generation_prompt: bool = False,
                          tokenize: bool = True, chat_template: str | None = None,
-                         **kwargs):
+                         tools: list | None = None, **kwargs):
     """A conversation as the model was trained to read it: the model's own template
     (or `chat_template`) rendered with Jinja2, then encoded without adding BOS (the
-    template writes its special tokens itself). tokenize=False returns the text."""
+    template writes its special tokens itself). tokenize=False returns the text.
+    `tools` (function definitions, as transformers takes them) go to the template."""
     import jinja2
     template = chat_template or self.chat_template
     if template is None:
@@ -1251,7 +1254,7 @@ def _apply_chat_template(self, messages, add_generation_prompt: bool = False,
     try:
         text = _chat_environment().from_string(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            tools=None, documents=None, **{k: v or "" for k, v in names.items()},
+            tools=tools, documents=None, **{k: v or "" for k, v in names.items()},
             **kwargs)
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template failed: {e}") from None

@@ -2,7 +2,8 @@
 (issue 53): lm-evaluation-harness's `local-completions` (a multiple-choice task and a
 generate_until task, local jsonl files, --batch_size 4, its default tokenizer: the server's
 /tokenizer_info, /tokenize and /detokenize), and LangChain's ChatOpenAI (invoke, stream,
-with_structured_output). lm-eval's log-likelihoods must be the offline engine's."""
+with_structured_output both ways, bind_tools and a tool-result turn). lm-eval's
+log-likelihoods must be the offline engine's."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -51,6 +53,13 @@ def served():
     assert not llm.engine.requests
 
 
+@pytest.fixture(scope="module")
+def offline():
+    """The offline engine the answers are compared with: not the served one, whose
+    engine thread would step a request added from here too (two threads, one engine)."""
+    return tiny_llm(max_num_seqs=8)
+
+
 def write_tasks(folder: Path) -> None:
     files = {"tinymc": DATA / "mc.jsonl", "tinygen": DATA / "gen.jsonl"}
     for name, rest in TASKS.items():
@@ -60,8 +69,9 @@ def write_tasks(folder: Path) -> None:
             'doc_to_text: "{{context}}"\n' + rest, encoding="utf-8")
 
 
-def test_lm_eval_scores_against_the_server_as_the_offline_engine(served, tmp_path):
-    url, llm = served
+def test_lm_eval_scores_against_the_server_as_the_offline_engine(served, offline,
+                                                                 tmp_path):
+    url, llm = served[0], offline  # the same weights, its own engine
     write_tasks(tmp_path)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf"), "TQDM_DISABLE": "1"}
@@ -98,10 +108,11 @@ def test_lm_eval_scores_against_the_server_as_the_offline_engine(served, tmp_pat
         assert sample["resps"][0][0] == want
 
 
-def test_lm_eval_local_chat_completions_generates_as_llm_chat(served, tmp_path):
+def test_lm_eval_local_chat_completions_generates_as_llm_chat(served, offline,
+                                                              tmp_path):
     """lm-eval's chat model (`local-chat-completions`, batch 1, with the chat template
     applied by the server) on the generate_until task: each answer is LLM.chat's."""
-    url, llm = served
+    url, llm = served[0], offline  # the same weights, its own engine
     write_tasks(tmp_path)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf"), "TQDM_DISABLE": "1"}
@@ -125,9 +136,9 @@ def test_lm_eval_local_chat_completions_generates_as_llm_chat(served, tmp_path):
     assert answers == 4
 
 
-def test_langchain_chat_openai_invokes_streams_and_structures(served):
+def test_langchain_chat_openai_invokes_streams_and_structures(served, offline):
     langchain_openai = pytest.importorskip("langchain_openai")
-    url, llm = served
+    url, llm = served[0], offline  # the same weights, its own engine
     chat = langchain_openai.ChatOpenAI(model=NAME, base_url=url + "/v1", api_key="none",
                                        temperature=0, max_tokens=12, max_retries=0)
     answer = chat.invoke("What news?")
@@ -145,18 +156,43 @@ def test_langchain_chat_openai_invokes_streams_and_structures(served):
     assert set(result) == {"speaker"} and isinstance(result["speaker"], str)
 
 
-def test_langchain_tool_calls_are_refused_clearly_until_they_are_built(served):
-    """Tool calls are the next part of issue 53 (chapter 11); until then LangChain's
-    function_calling path gets a 400 that names `tools`, never a silent answer."""
+def test_langchain_tool_calls_bind_tools_and_a_tool_result_turn(served):
+    """LangChain's tool paths, as an agent uses them: with_structured_output(method=
+    "function_calling") (a named tool_choice, parallel_tool_calls false), bind_tools
+    with tool_choice "any" (sent as "required") and a named tool, then the tool's
+    result sent back (an AIMessage with tool_calls, a ToolMessage) and answered."""
     langchain_openai = pytest.importorskip("langchain_openai")
-    import openai
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
     url, _ = served
     chat = langchain_openai.ChatOpenAI(model=NAME, base_url=url + "/v1", api_key="none",
-                                       max_tokens=8, max_retries=0)
-    schema = {"title": "Line", "type": "object",
-              "properties": {"speaker": {"type": "string"}}, "required": ["speaker"]}
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        chat.with_structured_output(schema, method="function_calling").invoke("Who?")
+                                       temperature=0, max_tokens=160, max_retries=0)
+    schema = {"title": "Line", "description": "Who speaks the line.", "type": "object",
+              "properties": {"speaker": {"type": "string", "maxLength": 12}},
+              "required": ["speaker"]}
+    line = chat.with_structured_output(schema, method="function_calling").invoke("Who?")
+    assert set(line) == {"speaker"} and isinstance(line["speaker"], str)
+
+    @tool
+    def weather(city: Literal["Ayr", "Rome"]) -> str:  # the tiny model rambles
+        """The weather of a city now."""
+        return f"Rain in {city}."
+
+    @tool
+    def clock() -> str:
+        """The time now."""
+        return "noon"
+    for choice, names in (("any", {"weather", "clock"}), ("clock", {"clock"})):
+        asked = chat.bind_tools([weather, clock], tool_choice=choice,
+                                parallel_tool_calls=False).invoke("Rain?")
+        assert len(asked.tool_calls) == 1 and asked.tool_calls[0]["name"] in names
+    call = asked.tool_calls[0]
+    assert call["args"] == {} and call["id"].startswith("call_")
+    history = [HumanMessage("What time is it?"), asked,
+               ToolMessage(clock.invoke(call["args"]), tool_call_id=call["id"])]
+    answer = chat.bind_tools([weather, clock]).invoke(history)
+    assert isinstance(answer.content, str) and answer.content
+    assert answer.response_metadata["finish_reason"] in ("stop", "length")
 
 
 def test_the_openai_clients_parse_returns_a_pydantic_object(served):

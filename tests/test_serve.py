@@ -28,8 +28,13 @@ from minillm.utils import bundled_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "tiny"
-PLAY = ("{% for m in messages %}MACDUFF:\n{{ m['content'] }}\n\n{% endfor %}"
-        "{% if add_generation_prompt %}ROSS:\n{% endif %}")  # the plays' format
+PLAY = (  # the plays' format; tools, calls and results (chapter 11) written briefly
+    "{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}\n"
+    "\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}RESULT:\n"
+    "{{ m.content }}\n\n{% elif m.tool_calls %}ROSS:\n{% for c in m.tool_calls %}"
+    "<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}\n\n{% else %}"
+    "MACDUFF:\n{{ m['content'] }}\n\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ROSS:\n{% endif %}")
 PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo", "KING HENRY:\n", "HAMLET:\nTo be",
            "MACBETH:\n", "LADY MACBETH:\nOut", "OTHELLO:\n", "IAGO:\nI am",
            "KING LEAR:\n", "CORDELIA:\nNothing", "PROSPERO:\n", "ARIEL:\nAll hail",

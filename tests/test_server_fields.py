@@ -42,15 +42,18 @@ BOTH = [  # (field, value, status) on both endpoints
     ("vllm_xargs", {"a": 1}, NO), ("no_such_field", 1, NO),
 ]
 COMPLETIONS = [("echo", True, OK), ("logprobs", 2, OK), ("prompt_logprobs", 1, OK),
-               ("max_tokens", 4, OK), ("suffix", "x", NO)]
+               ("max_tokens", 4, OK), ("suffix", "x", NO),
+               ("tools", [{"type": "function", "function": {"name": "f"}}], NO),
+               ("tool_choice", "required", NO)]
 CHAT = [("logprobs", True, OK), ("max_completion_tokens", 4, OK), ("functions", [
     {"name": "f", "parameters": {}}], NO), ("function_call", "auto", NO),
         ("modalities", ["text", "audio"], NO), ("audio", {"voice": "x"}, NO),
         ("reasoning_effort", "low", NO), ("prediction", {"type": "content"}, NO),
         ("web_search_options", {}, NO), ("add_generation_prompt", False, NO),
         ("chat_template", "{{ x }}", NO), ("documents", [{"a": "b"}], NO),
-        ("tools", [{"type": "function", "function": {"name": "f"}}], NO),
-        ("tool_choice", "none", OK)]
+        ("tools", [{"type": "function", "function": {"name": "f"}}], OK),
+        ("tool_choice", "none", OK), ("tool_choice", "auto", OK),
+        ("tool_choice", "required", NO)]  # required needs tools
 CASES = ([("completions",) + c for c in BOTH + COMPLETIONS]
          + [("chat",) + c for c in BOTH + CHAT])
 

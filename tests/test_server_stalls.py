@@ -119,3 +119,31 @@ def test_the_grammar_cache_is_bounded_in_bytes(monkeypatch):
     assert Backend.calls == 10
     manager.compile(keys[0])  # the oldest went: compiled again
     assert Backend.calls == 11
+
+
+def test_a_connection_that_sends_no_whole_request_is_closed(monkeypatch):
+    """Half-open sockets: uvicorn's own timer starts after a first response, so a client
+    that connected and sent nothing (or half a header) held its socket for ever. Now
+    each request's headers have HEADER_TIMEOUT seconds; a slow but whole request and a
+    kept-alive connection still work."""
+    import socket
+
+    from minillm.serve import cli
+    monkeypatch.setattr(cli, "HEADER_TIMEOUT", 0.5)
+    llm = tiny_llm(max_num_seqs=2)
+    with BackgroundServer(build_app(llm, NAME)) as server:
+        silent = socket.create_connection(("127.0.0.1", server.port))
+        half = socket.create_connection(("127.0.0.1", server.port))
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no blank line: unfinished
+        whole = socket.create_connection(("127.0.0.1", server.port))
+        whole.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(1.5)
+        for sock in (silent, half):
+            sock.settimeout(5)
+            assert sock.recv(100) == b""  # closed by the server, with no answer
+        whole.settimeout(5)
+        assert whole.recv(100).startswith(b"HTTP/1.1 200")
+        with httpx.Client(base_url=server.url) as client:  # keep-alive: two requests
+            assert client.get("/health").status_code == 200
+            time.sleep(0.2)
+            assert client.get("/health").status_code == 200

@@ -177,13 +177,18 @@ LLM._run = _run
 # %% ../../chapters/04_continuous_batching.ipynb #c45g-llm
 def _chat(self, messages, sampling_params: SamplingParams | list | None = None,
          use_tqdm: bool = True, chat_template: str | None = None,
-         add_generation_prompt: bool = True) -> list[RequestOutput]:
+         add_generation_prompt: bool = True,
+         tools: list | None = None) -> list[RequestOutput]:
     """One conversation (a list of {'role', 'content'} messages) or a list of
     them, each written with the model's chat template (Chapter 1) and answered.
-    Returns one output per conversation, as vLLM's LLM.chat does."""
+    `tools` (OpenAI's function definitions) go to the template, which must write
+    them. Returns one output per conversation, as vLLM's LLM.chat does."""
     tok = self.engine.tokenizer
     if tok is None:
         raise ValueError("chat needs a tokenizer: LLM(model, tokenizer)")
+    if tools and "tools" not in (chat_template or tok.chat_template or ""):
+        raise ValueError(f"tools={tools!r:.60}: the chat template does not write "
+                         "tools; pass chat_template=<one that does>")
     one = isinstance(messages, (list, tuple)) and bool(messages) and all(
         isinstance(m, dict) for m in messages)
     conversations = [messages] if one else messages
@@ -191,7 +196,7 @@ def _chat(self, messages, sampling_params: SamplingParams | list | None = None,
         raise ValueError(f"messages={messages!r:.60}: give a conversation (a list "
                          "of {'role': ..., 'content': ...}) or a list of them")
     conversations = [_text_content(c) for c in conversations]
-    how = dict(chat_template=chat_template,
+    how = dict(chat_template=chat_template, tools=tools,
                add_generation_prompt=add_generation_prompt)
     prompts = [tok.apply_chat_template(c, **how)  # every one is checked before
                for c in conversations]            # any runs

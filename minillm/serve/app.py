@@ -20,7 +20,7 @@ from jinja2 import TemplateError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from .. import __version__
+from .. import __version__, features
 from ..sampling import MAX_N
 from .async_engine import AsyncEngine, RequestStream
 from .metrics import ServerMetrics
@@ -33,14 +33,15 @@ router = APIRouter()
 MAX_BODY_BYTES = 4 * 2**20  # a request body's default bound (build_app, 413)
 
 # %% auto #0
-__all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'Server', 'server', 'build_app', 'api_error', 'validation_error',
-           'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit', 'merged_chars', 'health', 'metrics',
-           'list_models', 'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize', 'tokenizer_info', 'docs',
-           'docs_page', 'submit', 'submit_all', 'prompt_list', 'one_prompt', 'check_text', 'rest_of_context', 'Usage',
-           'samples', 'until_disconnect', 'unless_gone', 'finite', 'token_text', 'raw_bytes', 'token_key',
-           'completion_logprobs', 'echo_logprobs', 'echoed', 'chat_logprobs', 'prompt_logprobs_json', 'Sample',
-           'create_completion', 'completion_prompts', 'Choices', 'off_the_loop', 'gather', 'gather_all',
-           'create_chat_completion', 'sse', 'event_stream', 'interleave', 'abort_all']
+__all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'CHAT_REPLIES', 'Server', 'server', 'build_app', 'api_error',
+           'validation_error', 'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit', 'merged_chars', 'health',
+           'metrics', 'list_models', 'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize',
+           'tokenizer_info', 'docs', 'docs_page', 'submit', 'submit_all', 'prompt_list', 'one_prompt', 'check_text',
+           'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone', 'finite', 'token_text',
+           'raw_bytes', 'token_key', 'completion_logprobs', 'echo_logprobs', 'echoed', 'chat_logprobs',
+           'prompt_logprobs_json', 'Sample', 'create_completion', 'completion_prompts', 'Choices', 'off_the_loop',
+           'gather', 'gather_all', 'create_chat_completion', 'ChatReply', 'chat_reply', 'sse', 'event_stream',
+           'interleave', 'abort_all']
 
 # %% ../../chapters/09_serving.ipynb #s40b-app
 @dataclass
@@ -274,7 +275,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         s.check_model(body.model)
     body.check()  # a prompt or messages, not both
     if body.messages is not None:
-        ids = await _chat_prompt(s, body.messages, body.add_generation_prompt)
+        ids = await _chat_prompt(s, chat_reply(s, body),
+                                 body.add_generation_prompt)
     else:
         check_text(s, body.prompt, "prompt")
         ids = await asyncio.to_thread(s.tokenizer.encode, body.prompt,
@@ -695,46 +697,38 @@ async def gather_all(s: Server, streams: list, usage: Usage,
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     s = server(request)
     s.check_model(body.model)
-    prompt_ids = await _chat_prompt(s, body.messages)  # the template's ids
+    reply = chat_reply(s, body)  # how the messages and the answer are written
+    prompt_ids = await _chat_prompt(s, reply)  # the template's ids
     max_tokens, names = _chat_limits(s, body, prompt_ids)
+    names |= reply.names  # the fields the client gave, by the engine's names
     k = body.top_logprobs or 0
-    params = body.sampling_params(max_tokens,
-                                  k if body.logprobs else None, names)
+    params = body.sampling_params(max_tokens, k if body.logprobs else None,
+                                  names, reply.handles, **reply.params())
     check_response_size(body, [len(prompt_ids)], max_tokens)
     stream = await submit(s, prompt_ids, params, names)
     usage, head = Usage(len(prompt_ids)), {
         "id": f"chatcmpl-{stream.request_id}", "object": "chat.completion",
         "created": int(time.time()), "model": s.model_name}
-    if body.stream:
-        started = set()  # the first chunk of each answer names the role
-
-        def delta(_, c) -> dict:  # one prompt: j is 0
-            d = {} if c.index in started else {"role": "assistant"}
-            started.add(c.index)
-            if c.text:
-                d["content"] = c.text
-            return {"index": c.index, "delta": d,
-                    "logprobs": chat_logprobs(s, c, k),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if body.stream:  # one prompt: the delta's j is 0
         return event_stream(s, [stream], body, {**head, "object":
-                            "chat.completion.chunk"}, usage, delta)
+                            "chat.completion.chunk"}, usage,
+                            lambda _, c: reply.delta(c))
     answers = await unless_gone(request, s, [stream],
                                 gather(stream, usage, params.n))
     return await off_the_loop(lambda: {**head, "choices": [
-        _chat_choice(s, a, k) for a in answers], "usage": usage.as_dict()})
+        reply.choice(a) for a in answers], "usage": usage.as_dict()})
 
 # %% ../../chapters/09_serving.ipynb #s49b-chat
-async def _chat_prompt(s: Server, messages,
+async def _chat_prompt(s: Server, reply,
                        add_generation_prompt: bool = True) -> list[int]:
     """The messages through the chat template, as token ids (as LLM.chat); their
     text checked first, the template applied in a worker thread."""
-    messages = [{"role": m.role, "content": m.text()}
-                | ({} if m.name is None else {"name": m.name}) for m in messages]
-    check_text(s, "".join(m["content"] for m in messages), "messages")
+    messages = reply.messages()
+    check_text(s, "".join(m["content"] or "" for m in messages), "messages")
     try:
         return await asyncio.to_thread(
             s.tokenizer.apply_chat_template, messages,
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, **reply.template())
     except (ValueError, TemplateError) as e:  # no template, or it refused them
         raise APIError(400, str(e), param="messages") from None
 
@@ -751,12 +745,69 @@ def _chat_limits(s: Server, body, prompt_ids: list[int]) -> tuple[int, dict]:
         max_tokens = rest_of_context(s, prompt_ids)
     return max_tokens, names
 
+# %% ../../chapters/09_serving.ipynb #s49c-reply
+CHAT_REPLIES: dict = {}  # a later chapter's name -> a ChatReply subclass
 
-def _chat_choice(s: Server, a, k: int) -> dict:
-    """One whole answer as a choice of a chat.completion object."""
-    return {"index": a.index, "message": {"role": "assistant", "content": a.text},
-            "logprobs": chat_logprobs(s, a, k),
-            "finish_reason": a.finish_reason, "stop_reason": a.stop_reason}
+
+class ChatReply:
+    """How a chat request is written for the model, and its answer for the
+    client: the messages' text through the model's template; the answer as the
+    message's content. A subclass in CHAT_REPLIES answers the requests its
+    `takes(body)` picks (chapter 11: tool calls)."""
+    handles = ()  # the fields of OFF it acts on
+    names: dict = {}  # SamplingParams' names -> the request's, for a 400
+
+    @classmethod
+    def takes(cls, body) -> bool:
+        return True
+
+    def __init__(self, s: Server, body):
+        self.s, self.body, self.started = s, body, set()
+        self.k = getattr(body, "top_logprobs", None) or 0
+
+    def messages(self) -> list[dict]:
+        return [self.message(i, m) for i, m in enumerate(self.body.messages)]
+
+    def message(self, i: int, m) -> dict:
+        """A message as the template reads it. A tool call or a tool's result is
+        refused: the model's template may not write them."""
+        if m.tool_calls or m.role == "tool":
+            raise APIError(400, f"messages.{i}: a tool call or a tool's result "
+                           "needs a template that writes them", param="messages")
+        return {"role": m.role, "content": m.text()} | (
+            {} if m.name is None else {"name": m.name})
+
+    def template(self) -> dict:  # more keywords for apply_chat_template
+        return {}
+
+    def params(self) -> dict:  # more keywords for SamplingParams
+        return {}
+
+    def choice(self, a: Sample) -> dict:
+        """One whole answer as a choice of a chat.completion object."""
+        return {"index": a.index, "message": {"role": "assistant",
+                                              "content": a.text},
+                "logprobs": chat_logprobs(self.s, a, self.k),
+                "finish_reason": a.finish_reason, "stop_reason": a.stop_reason}
+
+    def delta(self, c) -> dict:
+        """One step of an answer as a chunk's choice; its first names the role."""
+        d = {} if c.index in self.started else {"role": "assistant"}
+        self.started.add(c.index)
+        if c.text:
+            d["content"] = c.text
+        return {"index": c.index, "delta": d,
+                "logprobs": chat_logprobs(self.s, c, self.k),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+def chat_reply(s: Server, body) -> ChatReply:
+    """The first reply in CHAT_REPLIES that takes the request, else the plain one."""
+    for kind in features.registry(CHAT_REPLIES).values():
+        if kind.takes(body):
+            return kind(s, body)
+    return ChatReply(s, body)
+
 
 # %% ../../chapters/09_serving.ipynb #s50-sse
 def sse(data) -> str:

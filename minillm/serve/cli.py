@@ -12,7 +12,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import features
 from ..loader import QUANTIZATIONS
@@ -87,8 +89,8 @@ def _engine_flags(add) -> None:
         add(flag, dest=keyword, **kwargs)
 
 # %% auto #0
-__all__ = ['CPU_CHUNK_TOKENS', 'ENGINE_FLAGS', 'parser', 'port_number', 'seed', 'chat_template', 'engine_args', 'usage_errors',
-           'main', 'BackgroundServer']
+__all__ = ['CPU_CHUNK_TOKENS', 'ENGINE_FLAGS', 'HEADER_TIMEOUT', 'parser', 'port_number', 'seed', 'chat_template', 'engine_args',
+           'usage_errors', 'HeaderDeadline', 'main', 'BackgroundServer']
 
 # %% ../../chapters/09_serving.ipynb #s60a-cli
 def port_number(text: str) -> int:
@@ -153,6 +155,34 @@ def usage_errors(p: argparse.ArgumentParser):
     except ValueError as e:
         p.error(str(e))
 
+# %% ../../chapters/09_serving.ipynb #s60a-deadline
+HEADER_TIMEOUT = 30.0  # seconds a connection may take to send a request's headers
+
+
+class HeaderDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1, with a deadline for each request's headers: a client
+    that connects and sends nothing, or half a header, is closed after
+    HEADER_TIMEOUT seconds instead of holding its socket for ever (uvicorn's
+    own timer starts only after a first response)."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.deadline = self.loop.call_later(HEADER_TIMEOUT, self.headers_late)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # the next request's headers: a new clock
+        self.deadline.cancel()
+        self.deadline = self.loop.call_later(HEADER_TIMEOUT, self.headers_late)
+
+    def headers_late(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()  # no whole request arrived in time
+
+    def connection_lost(self, exc) -> None:
+        self.deadline.cancel()
+        super().connection_lost(exc)
+
+
 # %% ../../chapters/09_serving.ipynb #s60b-cli
 def main(argv=None) -> int:
     p = parser()
@@ -167,7 +197,7 @@ def main(argv=None) -> int:
                         args.request_timeout, args.max_waiting,
                         args.max_body_bytes, api_key=args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, http=HeaderDeadline)
     return 0
 
 # %% ../../chapters/09_serving.ipynb #s61-background
@@ -179,7 +209,7 @@ class BackgroundServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
                  timeout: float = 60.0):
         config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, http=HeaderDeadline)
         self.server, self.app = uvicorn.Server(config), app
         self.thread = threading.Thread(target=self.server.run, daemon=True,
                                        name="minillm-http")

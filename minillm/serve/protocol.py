@@ -30,7 +30,8 @@ class APIError(Exception):
 
 def bad_request(error: ValueError, names: dict | None = None) -> APIError:
     """A ValueError of minillm ("field=value ...") as a 400 naming the field."""
-    match = re.match(r"(\w+)(?:=| ids \[)", str(error))  # "logit_bias ids [..."
+    match = re.match(r"(\w+)(?:=| ids \[| \w+: )", str(error))  # "logit_bias ids [",
+    #                                      "structured_outputs json: ..." (chapter 11)
     field = match.group(1) if match else None
     return APIError(400, str(error), param=(names or {}).get(field, field))
 
@@ -84,8 +85,6 @@ class CommonRequest(BaseModel):
     logit_bias: dict | None = None    # OpenAI's {"token id": bias in [-100, 100]}
     best_of: int | None = None
     response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -96,9 +95,10 @@ class CommonRequest(BaseModel):
         return data
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        names: dict, **more) -> SamplingParams:
-        """The engine's SamplingParams; a bad value is a 400 naming the field."""
-        check_request(self)  # the server's own bounds first
+                        names: dict, handles=(), **more) -> SamplingParams:
+        """The engine's SamplingParams; a bad value is a 400 naming the field.
+        `handles`: fields of OFF that the route acts on itself."""
+        check_request(self, handles)  # the server's own bounds first
         values = {f: getattr(self, f) for f in SAMPLING_FIELDS}
         values["logit_bias"] = api_logit_bias(self.logit_bias)  # "50" -> 50
         values["prompt_logprobs"] = getattr(self, "prompt_logprobs", None)
@@ -131,12 +131,23 @@ class CompletionRequest(CommonRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a key we would drop: a 400
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict]
+    content: str | list[dict] | None = None  # None: an assistant's tool calls
     name: str | None = None  # the speaker's name: handed to the template
+    tool_calls: list[dict] | None = None  # the functions an assistant called
+    tool_call_id: str | None = None  # a "tool" message answers this call
 
-    def text(self) -> str:
+    @model_validator(mode="after")
+    def has_content(self):
+        """Content, unless an assistant's turn is only tool calls (OpenAI's)."""
+        if self.content is None and not (self.role == "assistant"
+                                         and self.tool_calls):
+            raise ValueError(f"role {self.role!r} needs content (null only in "
+                             "an assistant message with tool_calls)")
+        return self
+
+    def text(self) -> str | None:
         """The content as text (a list of {"type": "text", "text": ...} parts)."""
-        if isinstance(self.content, str):
+        if self.content is None or isinstance(self.content, str):
             return self.content
         if not all(p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in self.content):
@@ -152,6 +163,9 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list | None = None         # functions the model may call (chapter 11)
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 # %% ../../chapters/09_serving.ipynb #s12b-requests
 MAX_API_TEMPERATURE = 2.0  # OpenAI's bound (SamplingParams allows more offline)
@@ -216,11 +230,12 @@ def api_logit_bias(bias: dict | None) -> dict[int, float] | None:
     return out or None
 
 
-def check_request(body) -> None:
+def check_request(body, handles=()) -> None:
     """The server's own checks, before SamplingParams'. A field this server does
     not support (unless its value changes nothing: best_of=n, tools=[], ...),
     top_logprobs without logprobs, a temperature outside OpenAI's [0, 2]: each
-    is a 400 naming the field, never silently ignored."""
+    is a 400 naming the field, never silently ignored. `handles`: fields of
+    OFF that the route acts on (chapter 11's tool calls)."""
     supported = features.registry(REQUEST_FIELDS)  # chapter 11: response_format
     unknown = [f for f in (body.model_extra or {})
                if f not in supported and f not in OFF and f not in NO_OPS]
@@ -231,7 +246,7 @@ def check_request(body) -> None:
     if body.stream_options is not None:
         check_stream_options(body)
     for field, harmless in OFF.items():
-        if field in supported:
+        if field in supported or field in handles:
             continue  # a later chapter supports it now
         value = getattr(body, field, None)
         if value is not None and value not in harmless and not (

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import re
 
-from .fsm import FSMGrammar, FSMMatcher, schema_regex, token_groups
+from .fsm import (DFA, FSMGrammar, FSMMatcher, schema_regex,
+                                   structural_tag_pattern, token_groups)
 
 # %% auto #0
-__all__ = ['UNENFORCED', 'SUBSCHEMAS', 'BACKENDS', 'FSMBackend', 'XGrammarBackend', 'unenforced', 'token_vocab',
+__all__ = ['UNENFORCED', 'SUBSCHEMAS', 'BACKENDS', 'FSMBackend', 'XGrammarBackend', 'unenforced_in', 'unenforced', 'token_vocab',
            'xgrammar_available']
 
 # %% ../../chapters/11_structured_output.ipynb #s61-backends
@@ -23,17 +24,25 @@ class FSMBackend:
         self.groups = token_groups(vocab)
 
     def compile(self, so) -> FSMGrammar:
+        try:
+            return FSMGrammar(self.pattern(so), self.vocab, self.groups,
+                              self.stop_ids, self.vocab_size)
+        except ValueError as e:  # named as the server names the field
+            raise ValueError(f"structured_outputs {so.kind}: {e}") from None
+
+    def pattern(self, so) -> str | DFA:
         if so.kind == "regex":
             pattern = so.regex
         elif so.kind == "choice":
             pattern = "|".join(re.escape(c) for c in so.choice)
         elif so.kind == "json":
             pattern = schema_regex(so.json)
+        elif so.kind == "structural_tag":  # section 11: one DFA, built by hand
+            pattern = structural_tag_pattern(so.structural_tag)
         else:
-            raise ValueError(f"structured_outputs {so.kind}: the hand-built backend "
-                             "takes json, regex and choice; use backend='xgrammar'")
-        return FSMGrammar(pattern, self.vocab, self.groups, self.stop_ids,
-                          self.vocab_size)
+            raise ValueError("the hand-built backend takes json, regex, choice "
+                             "and structural_tag; use backend='xgrammar'")
+        return pattern
 
     def matcher(self, grammar: FSMGrammar) -> FSMMatcher:
         return FSMMatcher(grammar)
@@ -53,10 +62,10 @@ class XGrammarBackend:
 
     def compile(self, so):
         c, value = self.compiler, getattr(so, so.kind)
-        if so.kind == "json" and (dropped := unenforced(value)):
-            raise ValueError(f"structured_outputs json: xgrammar does not enforce "
-                             f"{dropped}, so an answer could break the schema; "
-                             "leave it out")
+        if dropped := unenforced_in(so):
+            raise ValueError(f"structured_outputs {so.kind}: xgrammar does not "
+                             f"enforce {dropped}, so an answer could break the "
+                             "schema; leave it out")
         try:
             if so.kind == "json":
                 return c.compile_json_schema(json.dumps(value), any_whitespace=False)
@@ -67,6 +76,8 @@ class XGrammarBackend:
             if so.kind == "choice":  # an EBNF rule of JSON-escaped literals
                 rule = " | ".join(map(json.dumps, value))
                 return c.compile_grammar("root ::= " + rule)
+            if so.kind == "structural_tag":  # xgrammar's own format (section 11)
+                return c.compile_structural_tag(json.dumps(value))
             return c.compile_grammar(value)
         except Exception as e:  # xgrammar's RuntimeError and its own error classes
             why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())  # [time] file:
@@ -86,6 +97,23 @@ SUBSCHEMAS = {"properties": "map", "patternProperties": "map", "$defs": "map",
               "definitions": "map", "items": "one or list", "prefixItems": "list",
               "anyOf": "list", "oneOf": "list", "allOf": "list",
               "additionalProperties": "one", "propertyNames": "one"}
+
+
+def unenforced_in(so) -> str | None:
+    """unenforced() of a json constraint, or of each schema of a structural tag."""
+    if so.kind == "json":
+        return unenforced(so.json)
+    todo = [so.structural_tag] if so.kind == "structural_tag" else []
+    while todo:  # every {"type": "json_schema", "json_schema": ...} inside
+        node = todo.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and (
+                    dropped := unenforced(node.get("json_schema"))):
+                return dropped
+            todo += node.values()
+        elif isinstance(node, list):
+            todo += node
+    return None
 
 
 def unenforced(schema) -> str | None:

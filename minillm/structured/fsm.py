@@ -15,9 +15,10 @@ MAX_NFA_STATES, MAX_DFA_STATES = 20_000, 5_000  # bounded work per grammar
 
 # %% auto #0
 __all__ = ['ANY', 'MAX_NFA_STATES', 'MAX_DFA_STATES', 'CLASSES', 'SIMPLE', 'WS', 'CHAR', 'STRING', 'INTEGER', 'NUMBER', 'SCALARS',
-           'KEYWORDS', 'TYPES', 'MAX_BOUND', 'parse_regex', 'NFA', 'DFA', 'closure', 'moves', 'token_groups',
+           'KEYWORDS', 'TYPES', 'MAX_BOUND', 'FORMATS', 'parse_regex', 'NFA', 'DFA', 'closure', 'moves', 'token_groups',
            'allowed_tokens', 'pack_bits', 'FSMGrammar', 'FSMMatcher', 'schema_regex', 'check_schema_keys',
-           'array_regex', 'range_regex', 'int_range_regex']
+           'array_regex', 'range_regex', 'int_range_regex', 'structural_tag_pattern', 'tags_regex', 'triggered_dfa',
+           'matched']
 
 # %% ../../chapters/11_structured_output.ipynb #s32-parser
 CLASSES = {"d": b"0123456789", "s": b" \t\n\r\f\v",
@@ -320,9 +321,10 @@ def pack_bits(ids: list[int], vocab_size: int) -> torch.Tensor:
 class FSMGrammar:
     """A DFA with one bitmask per state, each computed when first asked for."""
 
-    def __init__(self, pattern: str, vocab: list[bytes], groups: dict,
+    def __init__(self, pattern: str | DFA, vocab: list[bytes], groups: dict,
                  stop_ids: list[int], vocab_size: int):
-        self.dfa, self.vocab, self.groups = DFA(pattern), vocab, groups
+        self.dfa = pattern if isinstance(pattern, DFA) else DFA(pattern)
+        self.vocab, self.groups = vocab, groups
         self.stop_ids, self.vocab_size = stop_ids, vocab_size
         self.masks: dict[int, torch.Tensor] = {}
 
@@ -508,3 +510,91 @@ def _digits_between(a: str, b: str) -> str:
         parts.append(f"[{int(a[0]) + 1}-{int(b[0]) - 1}][0-9]{{{rest}}}")
     parts.append(b[0] + _digits_between("0" * rest, b[1:]))  # b[0]00..0 .. b
     return "(?:" + "|".join(parts) + ")"
+
+# %% ../../chapters/11_structured_output.ipynb #sc2-tags
+FORMATS = {"triggered_tags": {"type", "triggers", "tags", "at_least_one",
+                              "stop_after_first"},
+           "tags_with_separator": {"type", "tags", "separator", "at_least_one",
+                                   "stop_after_first"}}
+
+
+def structural_tag_pattern(tag: dict) -> str | DFA:
+    """A structural tag (xgrammar's format; the hand-built backend takes these
+    two kinds, each tag a JSON Schema between a begin and an end text) as a regex,
+    or, with a trigger, as triggered_dfa's DFA."""
+    fmt = tag.get("format") if tag.get("type") == "structural_tag" else None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in FORMATS or set(fmt) - FORMATS[kind]:
+        raise ValueError(f"structural_tag {tag!r:.80}: the hand-built backend takes "
+                         f"a format {FORMATS}; use backend='xgrammar'")
+    first, once = bool(fmt.get("at_least_one")), bool(fmt.get("stop_after_first"))
+    if kind == "tags_with_separator":  # only tags, between them the separator
+        one, sep = tags_regex(fmt.get("tags"), ""), fmt.get("separator")
+        if not isinstance(sep, str):
+            raise ValueError(f"structural_tag separator={sep!r:.40}: give a string")
+        body = one if once else f"{one}(?:{re.escape(sep)}{one})*"
+        return body if first else f"(?:{body})?"
+    triggers = fmt.get("triggers")
+    if not (isinstance(triggers, list) and len(triggers) == 1 and isinstance(
+            triggers[0], str) and 0 < len(triggers[0]) <= 64):
+        raise ValueError(f"structural_tag triggers={triggers!r:.60}: the hand-built "
+                         "backend takes one trigger of 1 to 64 characters")
+    return triggered_dfa(triggers[0], tags_regex(fmt.get("tags"), triggers[0]),
+                         first, once)
+
+
+def tags_regex(tags, trigger: str) -> str:
+    """Any one of the tags, written after `trigger` (the start of every begin)."""
+    parts = []
+    for i, t in enumerate(tags if isinstance(tags, list) and tags else [None]):
+        content = t.get("content") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and set(t) <= {"type", "begin", "content", "end"}
+                and isinstance(t.get("begin"), str) and t["begin"].startswith(trigger)
+                and isinstance(t.get("end"), str) and isinstance(content, dict)
+                and set(content) <= {"type", "json_schema", "max_whitespace_cnt"}
+                and content.get("type") == "json_schema"):
+            raise ValueError(f"structural_tag tags[{i}]={t!r:.80}: give {{'begin': "
+                             f"<text starting with {trigger!r}>, 'content': {{'type': "
+                             "'json_schema', 'json_schema': {...}}, 'end': <text>}")
+        parts.append(re.escape(t["begin"][len(trigger):]) + schema_regex(
+            content["json_schema"], f"tags[{i}]") + re.escape(t["end"]))
+    return "(?:" + "|".join(f"(?:{p})" for p in parts) + ")"
+
+
+# %% ../../chapters/11_structured_output.ipynb #sc3-dfa
+def triggered_dfa(trigger: str, tags: str, at_least_one: bool,
+                  stop_after_first: bool) -> DFA:
+    """One DFA for text in which tags appear where a trigger does. Free text is
+    watched by the trigger's automaton (state q: the text ends with the
+    trigger's first q bytes); its last byte leads into the tags' DFA, and a
+    finished tag back into free text. at_least_one: the answer starts with the
+    trigger; stop_after_first: it ends after one tag."""
+    t, inner = trigger.encode(), DFA(tags)
+    n = len(t)
+    chain = n if at_least_one else 0       # states 0..n-1: the trigger, spelled
+    free, start = chain, chain + n         # free text; the tags' DFA from here
+    watch = [[matched(t[:q] + bytes([b]), t) for b in range(256)] for q in range(n)]
+    rows = [[q + 1 if b == t[q] else -1 for b in range(256)] for q in range(chain)]
+    rows += [[start if k == n else free + k for k in row] for row in watch]
+    for s, row in enumerate(inner.next):
+        if s in inner.accepting and any(x >= 0 for x in row):
+            raise ValueError("structural_tag: a tag's end must close it (its text "
+                             "cannot go on after the end)")
+        done = s in inner.accepting and not stop_after_first  # free text again
+        rows.append(rows[free] if done else [start + x if x >= 0 else -1
+                                             for x in row])
+    if chain:  # the trigger's last byte leads into the tags
+        rows[chain - 1][t[-1]] = start
+    dfa = DFA.__new__(DFA)
+    dfa.next = rows
+    dfa.accepting = {start + s for s in inner.accepting}
+    if not at_least_one or not stop_after_first:
+        dfa.accepting |= set(range(free, free + n))  # free text may end anywhere
+    dfa.prune()
+    return dfa
+
+
+def matched(data: bytes, t: bytes) -> int:
+    """How many bytes of t the data ends with (the longest such prefix of t)."""
+    return max(k for k in range(min(len(data), len(t)) + 1) if data.endswith(t[:k]))
+

@@ -21,6 +21,8 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None  # the answer is one of these strings
     grammar: str | None = None            # an EBNF grammar (GBNF, as llama.cpp writes)
     json_object: bool | None = None       # any JSON object
+    structural_tag: dict | str | None = None  # free text, tags where a trigger
+    #                                         appears (section 11: tool calls)
 
     def __post_init__(self):
         check_structured_outputs(self)
@@ -45,7 +47,7 @@ def structured_outputs_field(value, params) -> StructuredOutputsParams | None:
 sampling.SAMPLING_FIELDS["structured_outputs"] = structured_outputs_field
 
 # %% ../../chapters/11_structured_output.ipynb #s22-checks
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 MAX_SPEC_CHARS = 65_536  # a schema, regex or grammar, as text
 MAX_CHOICES, MAX_CHOICE_CHARS = 1024, 1024
 MAX_SCHEMA_DEPTH = 32  # nesting of a JSON Schema: its compile time grows with it
@@ -71,20 +73,21 @@ def check_structured_outputs(p: StructuredOutputsParams) -> None:
                          f"of {list(KINDS)}")
     kind, value = given[0], getattr(p, given[0])
     put = lambda v: object.__setattr__(p, kind, v)  # noqa: E731  (frozen)
-    if kind == "json":
+    if kind in ("json", "structural_tag"):
         if isinstance(value, str) and len(value) <= MAX_SPEC_CHARS:
             try:
                 value = json.loads(value)
             except (ValueError, RecursionError) as e:
-                raise ValueError(f"structured_outputs json: not JSON, or nested "
+                raise ValueError(f"structured_outputs {kind}: not JSON, or nested "
                                  f"too deeply ({e})") from None
-        depth = json_depth(value)
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"structured_outputs json: the schema nests {depth} "
-                             f"levels deep; at most {MAX_SCHEMA_DEPTH}")
+        depth, most = json_depth(value), MAX_SCHEMA_DEPTH + 8 * (kind != "json")
+        if depth > most:  # a structural tag's schemas sit inside its own nesting
+            raise ValueError(f"structured_outputs {kind}: it nests {depth} "
+                             f"levels deep; at most {most}")
         if not isinstance(value, dict) or len(json.dumps(value)) > MAX_SPEC_CHARS:
-            raise ValueError(f"structured_outputs json={value!r:.60}: give a JSON "
-                             f"Schema (a dict) of at most {MAX_SPEC_CHARS} characters")
+            what = "a JSON Schema" if kind == "json" else "a structural tag"
+            raise ValueError(f"structured_outputs {kind}={value!r:.60}: give {what} "
+                             f"(a dict) of at most {MAX_SPEC_CHARS} characters")
         put(value)
     elif kind in ("regex", "grammar"):
         if not isinstance(value, str) or not 0 < len(value) <= MAX_SPEC_CHARS:

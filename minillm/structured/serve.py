@@ -2,15 +2,20 @@
 
 # %% ../../chapters/11_structured_output.ipynb #sa1-serve
 """Chapter 11 in the server: OpenAI's response_format and vLLM's structured_outputs
-(and guided_*), in chapter 9's REQUEST_FIELDS."""
+(and guided_*), in chapter 9's REQUEST_FIELDS; tools, in its CHAT_REPLIES."""
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from ..serve.app import CHAT_REPLIES, ChatReply, check_text
 from ..serve.async_engine import REQUEST_PREPARERS
 from ..serve.protocol import REQUEST_FIELDS, APIError
 from .params import StructuredOutputsParams
+from .tools import (TOOL_TEMPLATE, ToolCallReader, check_tools,
+                                      chosen, read_calls, tool_tag)
 
 
 def response_format_params(value: dict) -> dict:
@@ -82,4 +87,124 @@ async def compile_grammar(engine, params) -> None:
 REQUEST_PREPARERS["compile_grammar"] = compile_grammar
 
 # %% auto #0
-__all__ = ['GUIDED', 'COMPILE_TIMEOUT', 'COMPILER', 'response_format_params', 'vllm_field', 'compile_grammar']
+__all__ = ['GUIDED', 'COMPILE_TIMEOUT', 'COMPILER', 'response_format_params', 'vllm_field', 'compile_grammar', 'ToolReply',
+           'template_call', 'tool_template']
+
+# %% ../../chapters/11_structured_output.ipynb #sc9-reply
+class ToolReply(ChatReply):
+    """Chapter 9's chat reply, with tools: they go to the template (this
+    chapter's TOOL_TEMPLATE if the model's ignores them), the choice becomes a
+    structural tag, and the answer's calls become OpenAI's tool_calls."""
+    handles = ("tools", "tool_choice", "parallel_tool_calls")
+    names = {"structured_outputs": "tools"}  # a schema no backend can compile
+
+    @classmethod
+    def takes(cls, body) -> bool:  # tools, or a conversation that used them
+        return bool(getattr(body, "tools", None)) or getattr(
+            body, "tool_choice", None) not in (None, "none", "auto") or any(
+            m.tool_calls or m.role == "tool" for m in body.messages or [])
+
+    def __init__(self, s, body):
+        super().__init__(s, body)
+        tools = getattr(body, "tools", None) or []
+        try:
+            functions = check_tools(tools) if tools else []
+        except ValueError as e:
+            raise APIError(400, str(e), param="tools") from None
+        try:
+            self.choice_kind, self.callable = chosen(
+                getattr(body, "tool_choice", None), functions)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        if not functions and self.choice_kind in ("required", "named"):
+            raise APIError(400, f"tool_choice={body.tool_choice!r:.60} needs "
+                           "tools", param="tool_choice")
+        self.tools = tools if self.choice_kind != "none" else []
+        self.parallel = getattr(body, "parallel_tool_calls", None) is not False
+        self.readers: dict[int, ToolCallReader] = {}
+        check_text(s, json.dumps(tools), "tools")  # bounded as the messages are
+
+    def message(self, i: int, m) -> dict:
+        """A message with its calls (arguments as objects, as templates write
+        them), or a tool's result with the id of the call it answers."""
+        d = {"role": m.role, "content": m.text()} | (
+            {} if m.name is None else {"name": m.name})
+        if m.tool_calls:
+            d["tool_calls"] = [template_call(c, j) for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        return d
+
+    def template(self) -> dict:
+        return {"tools": self.tools or None,
+                "chat_template": tool_template(self.s.tokenizer.chat_template)}
+
+    def params(self) -> dict:
+        if not self.tools:
+            return {}
+        tag = tool_tag(self.callable, self.choice_kind, self.parallel)
+        return {"structured_outputs": StructuredOutputsParams(structural_tag=tag)}
+
+    def choice(self, a) -> dict:
+        out = super().choice(a)
+        if self.tools:
+            content, calls, _ = read_calls(a.text)
+            out["message"] |= {"content": content, "tool_calls": calls}
+            out["finish_reason"] = self.finish(a.finish_reason, calls)
+        return out
+
+    def delta(self, c) -> dict:
+        out = super().delta(c)
+        if self.tools:
+            reader = self.readers.setdefault(c.index, ToolCallReader())
+            text, calls = reader.feed(c.text, last=c.finish_reason is not None)
+            out["delta"].pop("content", None)
+            out["delta"] |= ({"content": text} if text else {}) | (
+                {"tool_calls": calls} if calls else {})
+            out["finish_reason"] = self.finish(c.finish_reason, reader.calls)
+        return out
+
+    def finish(self, reason, calls) -> str | None:
+        """"tool_calls" when an answer called a function it was free not to."""
+        return "tool_calls" if reason == "stop" and calls and (
+            self.choice_kind != "named") else reason
+
+
+# %% ../../chapters/11_structured_output.ipynb #sc9b-reply
+def template_call(call: dict, i: int) -> dict:
+    """An assistant's call as a template reads it: arguments as an object."""
+    f = call.get("function") if isinstance(call, dict) else None
+    try:
+        arguments = json.loads(f["arguments"]) if isinstance(
+            f.get("arguments"), str) else f.get("arguments", {})
+    except (AttributeError, TypeError, ValueError):
+        arguments = None
+    if not isinstance(arguments, dict) or not isinstance(f.get("name"), str):
+        raise APIError(400, f"tool_calls.{i}={call!r:.80}: give {{'id': ..., "
+                       "'type': 'function', 'function': {'name': ..., "
+                       "'arguments': <a JSON object, as text>}}", param="messages")
+    return {**call, "function": {"name": f["name"], "arguments": arguments}}
+
+
+_said: set[str] = set()  # the templates already named on stderr
+
+
+def tool_template(model_template: str | None) -> str | None:
+    """The model's template if it writes tools; else TOOL_TEMPLATE for a ChatML
+    model (said once on stderr); else a 400 asking for --chat-template."""
+    if model_template and "tools" in model_template:
+        return model_template
+    if not model_template or "<|im_start|>" not in model_template:
+        raise APIError(400, "tools: the model's chat template does not write "
+                       "tools; start the server with --chat-template <one that "
+                       "does>", param="tools")
+    if model_template not in _said:
+        _said.add(model_template)
+        print("minillm: the model's chat template ignores tools; tool requests use "
+              "minillm.structured.tools.TOOL_TEMPLATE (ChatML, Hermes' "
+              "<tool_call>). Give your own with --chat-template.", file=sys.stderr)
+    return TOOL_TEMPLATE
+
+
+CHAT_REPLIES["tools"] = ToolReply
+

