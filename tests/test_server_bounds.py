@@ -257,8 +257,9 @@ UNSUPPORTED = [  # (endpoint, fields, the param the 400 names)
     ("completions", {"best_of": 3}, "best_of"),
     ("chat", {"response_format": {"type": "structural_tag"}}, "response_format"),  # ch. 11
     # does json_object and json_schema (tests/test_structured_server.py)
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),  # chat has tools (chapter 11, tests/test_tool_calls.py)
+    ("chat", {"tool_choice": "required"}, "tool_choice"),  # without tools
     ("chat", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs=true
     ("completions", {"temperature": 2.5}, "temperature"),
     ("chat", {"temperature": 100}, "temperature"),
