@@ -291,3 +291,17 @@ def test_solution_toggles_say_what_they_hide(path):
     assert any(c["metadata"]["mystnb"]["code_prompt_show"] == "Solution" for c in folded)
     assert any("exercise-test" in c.get("metadata", {}).get("tags", []) for c in cells), \
         f"{path.name}: no exercise asks the reader to write a function (exercise-test)"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_every_core_exercise_has_a_stub_and_a_test_that_can_fail(path):
+    """Issue 54: a core exercise is `attempt(check, my_fn, books_fn)` after a stub
+    `my_fn` that raises NotImplementedError (so the chapter runs on the book's function
+    until the reader writes theirs), and the same notebook shows `check` rejecting a
+    wrong function (`rejects(check, ...)`)."""
+    text = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"]
+                     if c["cell_type"] == "code")
+    for check, mine in re.findall(r"^attempt\((\w+), (\w+), \w+\)", text, re.M):
+        stub = re.search(rf"def {mine}\(.*?\n(?=\S|\Z)", text, re.S)
+        assert stub and "raise NotImplementedError" in stub.group(0), (path.name, mine)
+        assert re.search(rf"rejects\({check},", text), (path.name, check)

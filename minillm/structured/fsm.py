@@ -16,7 +16,7 @@ MAX_NFA_STATES, MAX_DFA_STATES = 20_000, 5_000  # bounded work per grammar
 # %% auto #0
 __all__ = ['ANY', 'MAX_NFA_STATES', 'MAX_DFA_STATES', 'CLASSES', 'SIMPLE', 'WS', 'CHAR', 'STRING', 'INTEGER', 'NUMBER', 'SCALARS',
            'KEYWORDS', 'TYPES', 'MAX_BOUND', 'FORMATS', 'parse_regex', 'NFA', 'DFA', 'closure', 'moves', 'token_groups',
-           'allowed_tokens', 'pack_bits', 'FSMGrammar', 'FSMMatcher', 'schema_regex', 'check_schema_keys',
+           'pack_bits', 'allowed_tokens', 'FSMGrammar', 'FSMMatcher', 'schema_regex', 'check_schema_keys',
            'array_regex', 'range_regex', 'int_range_regex', 'structural_tag_pattern', 'tags_regex', 'triggered_dfa',
            'matched']
 
@@ -297,7 +297,16 @@ def token_groups(vocab: list[bytes]) -> dict[int, list[tuple[int, bytes]]]:
             groups.setdefault(data[0], []).append((i, data[1:]))
     return groups
 
+# %% ../../chapters/11_structured_output.ipynb #s41a-pack
+def pack_bits(ids: list[int], vocab_size: int) -> torch.Tensor:
+    """Token ids -> a bitmask: int32 [ceil(vocab_size / 32)], bit i % 32 of word
+    i // 32 set when token i is allowed."""
+    words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int64)
+    ids = torch.tensor(ids, dtype=torch.int64).unique()  # an id twice: one bit
+    words.index_add_(0, ids // 32, torch.ones_like(ids) << (ids % 32))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
+# %% ../../chapters/11_structured_output.ipynb #s41f-allowed
 def allowed_tokens(dfa: DFA, state: int, groups: dict) -> list[int]:
     """The ids of every token whose bytes keep the DFA alive from `state`."""
     allowed = []
@@ -307,15 +316,6 @@ def allowed_tokens(dfa: DFA, state: int, groups: dict) -> list[int]:
             continue  # no token starting with this byte can follow
         allowed += [i for i, rest in tokens if dfa.walk(after, rest) >= 0]
     return allowed
-
-
-def pack_bits(ids: list[int], vocab_size: int) -> torch.Tensor:
-    """Token ids -> a bitmask: int32 [ceil(vocab_size / 32)], bit i % 32 of word
-    i // 32 set when token i is allowed."""
-    words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int64)
-    ids = torch.tensor(ids, dtype=torch.int64).unique()  # an id twice: one bit
-    words.index_add_(0, ids // 32, torch.ones_like(ids) << (ids % 32))
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 # %% ../../chapters/11_structured_output.ipynb #s43-grammar
 class FSMGrammar:

@@ -200,9 +200,9 @@ def tool_template(model_template: str | None) -> str | None:
                        "does>", param="tools")
     if model_template not in _said:
         _said.add(model_template)
-        print("minillm: the model's chat template ignores tools; tool requests use "
-              "minillm.structured.tools.TOOL_TEMPLATE (ChatML, Hermes' "
-              "<tool_call>). Give your own with --chat-template.", file=sys.stderr)
+        print("minillm: the chat template ignores tools; tool requests use "
+              "TOOL_TEMPLATE (ChatML, <tool_call>); --chat-template overrides",
+              file=sys.stderr)
     return TOOL_TEMPLATE
 
 
