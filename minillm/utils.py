@@ -98,6 +98,7 @@ def rejects(check, wrong) -> bool:
     """Whether `check` fails on a wrong function, as an exercise's test must."""
     try:
         check(wrong)
-    except (AssertionError, IndexError, KeyError, TypeError, ValueError):
+    except (AssertionError, IndexError, KeyError, RuntimeError, TypeError,
+            ValueError):
         return True
     return False

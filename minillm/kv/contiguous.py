@@ -195,6 +195,9 @@ def _store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
     self.v[layer_idx].index_copy_(0, slots, v.transpose(1, 2).reshape(-1, h, d))
 
 
+KVCache.store = _store
+
+# %% ../../chapters/03_kv_cache.ipynb #c018-s1g-gather
 def _gather(self, layer_idx: int, meta: StepMeta):
     """What each row attends over: [B, kv_heads, S, head_dim] for K and for V.
 
@@ -212,7 +215,7 @@ def _gather(self, layer_idx: int, meta: StepMeta):
     return k_rows.transpose(1, 2), v_rows.transpose(1, 2)
 
 
-KVCache.store, KVCache.gather = _store, _gather
+KVCache.gather = _gather
 
 # %% ../../chapters/03_kv_cache.ipynb #c018-s2
 def _check(self, layer_idx, q, k, v, meta) -> None:
