@@ -42,6 +42,7 @@ def absmax_quantize(w: torch.Tensor, group_size: int | None = None
     return q.reshape(out_features, in_features), scale.squeeze(-1)
 
 
+# %% ../chapters/05_int8.ipynb #c11a-dequantize
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Float32 weights q * scale, each scale applied to its channel or group."""
     out_features, in_features = q.shape

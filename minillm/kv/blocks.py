@@ -156,19 +156,27 @@ def _append_slot(self, request_id: str, token_ids: list[int]) -> None:
 
 
 def _free(self, request_id: str) -> None:
-    """Give back a request's blocks (shared ones stay while others use them).
-    The last block first: a prefix's first blocks are the last to be reused."""
-    for block in reversed(self.tables.pop(request_id, [])):
-        self.ref_count[block] -= 1
-        if self.ref_count[block] == 0:
-            self.free_blocks[block] = None  # the most recently freed: reused last
+    """Give back a request's blocks (`release`, below) and forget its names."""
+    self.release(self.tables.pop(request_id, []))
     self.request_keys.pop(request_id, None)
     self.pending.pop(request_id, None)  # never written: do not publish
     self.unpublished.discard(request_id)
 
 
 BlockManager.can_append, BlockManager.append_slot = _can_append, _append_slot
-BlockManager.free = _free
+BlockManager.free = _free  # release: the exercise below
+
+# %% ../../chapters/06_paged_attention.ipynb #c20-blocks-s1v
+def _release(self, table: list[int]) -> None:
+    """A table's blocks given back, the last one first: each loses a reference, and
+    one that nobody references is free again (the most recently freed: reused last)."""
+    for block in reversed(table):
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free_blocks[block] = None
+
+
+BlockManager.release = _release
 
 # %% ../../chapters/06_paged_attention.ipynb #c20-blocks-s2
 def _evict(self) -> int:

@@ -37,7 +37,7 @@ def bad_request(error: ValueError, names: dict | None = None) -> APIError:
 
 # %% auto #0
 __all__ = ['SAMPLING_FIELDS', 'REQUEST_FIELDS', 'MAX_API_TEMPERATURE', 'OFF', 'NO_OPS', 'MAX_RESPONSE_LOGPROBS', 'APIError',
-           'bad_request', 'StreamOptions', 'CommonRequest', 'CompletionRequest', 'ChatMessage', 'ChatCompletionRequest',
+           'bad_request', 'StreamOptions', 'CommonRequest', 'ChatMessage', 'CompletionRequest', 'ChatCompletionRequest',
            'check_response_size', 'check_stream_options', 'api_logit_bias', 'check_request', 'TokenizeRequest',
            'DetokenizeRequest']
 
@@ -117,17 +117,7 @@ class CommonRequest(BaseModel):
         except ValueError as e:
             raise bad_request(e, names) from None
 
-# %% ../../chapters/09_serving.ipynb #s12-requests
-class CompletionRequest(CommonRequest):
-    """POST /v1/completions: continue a prompt (text or token ids)."""
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = 16
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None  # vLLM's: each prompt token's, and the k best
-    echo: bool = False                # the prompt, then the answer (logprobs too)
-    suffix: None = None               # not supported: 400 when given
-
-
+# %% ../../chapters/09_serving.ipynb #s12a-message
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a key we would drop: a 400
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -154,6 +144,17 @@ class ChatMessage(BaseModel):
             raise APIError(400, "only text content parts are supported",
                            param="messages")
         return "".join(p["text"] for p in self.content)
+
+
+# %% ../../chapters/09_serving.ipynb #s12-requests
+class CompletionRequest(CommonRequest):
+    """POST /v1/completions: continue a prompt (text or token ids)."""
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = 16
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's, and the k best
+    echo: bool = False                # the prompt, then the answer (logprobs too)
+    suffix: None = None               # not supported: 400 when given
 
 
 class ChatCompletionRequest(CommonRequest):

@@ -13,6 +13,10 @@ from ..sequence import Sequence, block_early_stop
 from .rejection import draw, sampling_probs
 
 
+# %% auto #0
+__all__ = ['ngram_lookup', 'NgramProposer', 'Drafted', 'DraftModelProposer']
+
+# %% ../../chapters/10_speculative.ipynb #c41f-ngram
 def ngram_lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     """Prompt lookup: the last n tokens (n from n_max down to n_min) found earlier
     in `tokens`, the most recent match; the up to k tokens that followed it."""
@@ -22,9 +26,6 @@ def ngram_lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]
             if tokens[start:start + n] == tail:
                 return tokens[start + n:start + n + k]
     return []
-
-# %% auto #0
-__all__ = ['ngram_lookup', 'NgramProposer', 'Drafted', 'DraftModelProposer']
 
 # %% ../../chapters/10_speculative.ipynb #c44-ngram-proposer
 class NgramProposer:
