@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from ..serve.app import CHAT_REPLIES, ChatReply, check_text
 from ..serve.async_engine import REQUEST_PREPARERS
 from ..serve.protocol import REQUEST_FIELDS, APIError
+from ..sources import announce
 from .params import StructuredOutputsParams
 from .tools import (TOOL_TEMPLATE, ToolCallReader, check_tools,
                                       chosen, read_calls, tool_tag)
@@ -186,23 +186,18 @@ def template_call(call: dict, i: int) -> dict:
     return {**call, "function": {"name": f["name"], "arguments": arguments}}
 
 
-_said: set[str] = set()  # the templates already named on stderr
-
-
 def tool_template(model_template: str | None) -> str | None:
     """The model's template if it writes tools; else TOOL_TEMPLATE for a ChatML
-    model (said once on stderr); else a 400 asking for --chat-template."""
+    model (said once, as chapter 2's `announce` says where weights come from); else
+    a 400 asking for --chat-template."""
     if model_template and "tools" in model_template:
         return model_template
     if not model_template or "<|im_start|>" not in model_template:
         raise APIError(400, "tools: the model's chat template does not write "
                        "tools; start the server with --chat-template <one that "
                        "does>", param="tools")
-    if model_template not in _said:
-        _said.add(model_template)
-        print("minillm: the chat template ignores tools; tool requests use "
-              "TOOL_TEMPLATE (ChatML, <tool_call>); --chat-template overrides",
-              file=sys.stderr)
+    announce("tools", "the chat template ignores them, so TOOL_TEMPLATE (ChatML) "
+             "writes them; --chat-template overrides")
     return TOOL_TEMPLATE
 
 
