@@ -40,8 +40,8 @@ __all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'CHAT_REPLIES', 'Server'
            'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone', 'finite', 'token_text',
            'raw_bytes', 'token_key', 'completion_logprobs', 'echo_logprobs', 'echoed', 'chat_logprobs',
            'prompt_logprobs_json', 'Sample', 'create_completion', 'completion_prompts', 'Choices', 'off_the_loop',
-           'gather', 'gather_all', 'create_chat_completion', 'ChatReply', 'chat_reply', 'sse', 'event_stream',
-           'interleave', 'abort_all']
+           'add_delta', 'gather', 'gather_all', 'create_chat_completion', 'ChatReply', 'chat_reply', 'sse',
+           'event_stream', 'interleave', 'abort_all']
 
 # %% ../../chapters/09_serving.ipynb #s40b-app
 @dataclass
@@ -667,17 +667,23 @@ async def off_the_loop(build) -> Response:
         return json.dumps(build(), ensure_ascii=False).encode("utf-8")
     return Response(await asyncio.to_thread(encode), media_type="application/json")
 
+# %% ../../chapters/09_serving.ipynb #s48e-add-delta
+def add_delta(answers: list[Sample], c) -> None:
+    """One streamed piece of answer c.index added to it: its text, token ids and
+    logprobs; the finish and stop reasons are the last piece's."""
+    a = answers[c.index]
+    a.text += c.text
+    a.token_ids += c.token_ids
+    if c.logprobs is not None:
+        a.logprobs = (a.logprobs or []) + list(c.logprobs)
+    a.finish_reason, a.stop_reason = c.finish_reason, c.stop_reason
+
 # %% ../../chapters/09_serving.ipynb #s48-gather
 async def gather(stream: RequestStream, usage: Usage, n: int) -> list[Sample]:
     """Every sample's text, ids, logprobs and finish reason, once all are done."""
     answers = [Sample(i, token_ids=[]) for i in range(n)]
     async for c in samples(stream, usage):
-        a = answers[c.index]
-        a.text += c.text
-        a.token_ids += c.token_ids
-        if c.logprobs is not None:
-            a.logprobs = (a.logprobs or []) + list(c.logprobs)
-        a.finish_reason, a.stop_reason = c.finish_reason, c.stop_reason
+        add_delta(answers, c)  # the exercise above
     return answers
 
 
