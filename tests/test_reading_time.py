@@ -1,7 +1,9 @@
 """tools/reading_time.py: a chapter's stated reading time is the tool's figure, and the
-formula itself (prose at 200 words a minute, visible code at 10 lines a minute, rounded
-up to 5 minutes) on a tiny notebook."""
+formula itself (prose at 150 words a minute at 20 words a sentence, slower in proportion
+for longer sentences; visible code at 10 lines a minute; rounded up to 5 minutes) on tiny
+notebooks and pages."""
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -49,32 +51,62 @@ def write(path: Path, *cells: dict) -> Path:
 
 
 def test_formula_on_a_tiny_notebook(tmp_path):
+    ten = "Ten words in this sentence and the next one too. "  # 10 words, 1 sentence
     path = write(
         tmp_path / "99_tiny.ipynb",
-        markdown("# Title\n\n| a | b |\n|---|---|\n\n" + "word " * 397),  # 400 words
+        markdown("# Title\n\n| a | b |\n|---|---|\n\n" + ten * 59 + "Six words end the"
+                 " paragraph here."),  # 1 + 2 + 590 + 6 = 599 words, 62 sentences
         code("x = 1\n" * 20),                                  # 20 visible lines
         code("#| export\ndef f():\n    return 1\n" + "y = 2\n" * 7),  # 10, the engine's
         code("plot()\n" * 50, "hide-input"),                  # hidden: not read
         code("check()\n" * 50, "hide-cell"),
         code("#| default_exp tiny", "remove-cell"))
     counts = reading_time.counts(reading_time.load(path))
-    assert counts == {"words": 400, "code_lines": 30, "engine_lines": 10}
-    assert reading_time.reading_minutes(path) == 5     # 400 / 200 + 30 / 10 = 5 minutes
-    assert reading_time.minutes(401, 30) == 10          # 5.005 minutes: rounded up
+    assert counts == {"words": 599, "sentences": 62, "code_lines": 30, "engine_lines": 10}
+    assert reading_time.reading_minutes(path) == 10    # 599 / 150 + 30 / 10 = 7 minutes
+    assert reading_time.minutes(750, 0, 75) == 5        # 10 words a sentence: 150 a minute
+    assert reading_time.minutes(751, 0, 75) == 10       # 5.007 minutes: rounded up
     assert reading_time.minutes(0, 0) == 5              # at least 5 minutes
-    assert reading_time.minutes(6000, 600) == 90        # 30 + 60 minutes
+    assert reading_time.minutes(4500, 600, 225) == 90   # 20 words a sentence: 30 + 60
+    assert reading_time.minutes(4500, 600, 180) == 100  # 25 a sentence: 120 a minute
+    assert reading_time.pace(3000, 100) == 100          # 30 a sentence: 100 a minute
+
+
+def test_sentences_are_counted_as_a_reader_meets_them():
+    count = reading_time.sentences
+    assert count("One. Two words. Three `code` here? Yes!") == 4
+    assert count("e.g. this is one sentence, and so is `x.y` here.") == 1
+    assert count("A list:\n\n- first item\n- second item\n\n## A heading") == 4
+    assert count("Text.\n\n```python\nx = 1. Not prose.\n```\n") == 1
+
+
+def test_a_markdown_page_is_read_too(tmp_path):
+    page = tmp_path / "appendix.md"
+    page.write_text("# Appendix: a page\n\nSome prose here. More of it.\n\n```bash\n"
+                    "python -m minillm bench kv\npython -m minillm bench quant\n```\n")
+    counts = reading_time.counts(reading_time.load(page))
+    assert counts["words"] == 9 and counts["code_lines"] == 2 and counts["sentences"] == 3
+
+
+def test_the_appendices_are_listed_apart():
+    pages = reading_time.appendices()
+    assert ROOT / "book" / "benchmarks.md" in pages
+    assert not any(p.parent.name == "chapters" and p.stem.startswith("0") and
+                   p.stem[:2].isdigit() for p in pages)
+    assert "appendix" in reading_time.table(pages, "appendix")
 
 
 def test_stamp_writes_the_line_once_and_keeps_the_figure(tmp_path):
     path = write(tmp_path / "99_tiny.ipynb",
-                 markdown("# Chapter 99: Tiny\n\nIntro " + "word " * 2000),
+                 markdown("# Chapter 99: Tiny\n\n" + "Ten words in this sentence and the next one"
+                          " too. " * 200),  # 13.3 minutes + 4 of code: 20
                  code("x = 1\n" * 40))
     before = reading_time.reading_minutes(path)
     assert reading_time.stated(path) is None
     line = reading_time.stamp(path, 3)
-    assert line == ("*Reading time: about 15 minutes; running it: about 3 minutes on a "
+    assert line == ("*Reading time: about 20 minutes; running it: about 3 minutes on a "
                     "laptop CPU.*")
-    assert reading_time.stated(path) == (before, 3) == (15, 3)
+    assert reading_time.stated(path) == (before, 3) == (20, 3)
     reading_time.stamp(path, 1)                        # again: replaced, not added
     first = reading_time.load(path)["cells"][0]["source"]
     text = "".join(first)
@@ -86,3 +118,15 @@ def test_stamp_writes_the_line_once_and_keeps_the_figure(tmp_path):
 def test_table_lists_every_chapter():
     table = reading_time.table(CHAPTERS)
     assert all(p.stem in table for p in CHAPTERS) and "hours" in table
+
+
+@pytest.mark.parametrize("page", ["chapters/00_overview.ipynb", "book/intro.md"])
+def test_the_book_states_the_total_the_tool_computes(page):
+    """Chapter 0 and the intro say how many hours the chapters hold: the tool's total."""
+    text = "".join(reading_time._source(c) for c in reading_time.load(ROOT / page)["cells"])
+    stated = re.search(r"the chapters hold about (\d+) hours", text)
+    assert stated, f"{page} does not say how many hours the chapters hold"
+    total = sum(reading_time.reading_minutes(p) for p in CHAPTERS) / 60
+    assert abs(int(stated.group(1)) - total) <= 1, (
+        f"{page} says about {stated.group(1)} hours; tools/reading_time.py computes "
+        f"{total:.1f}")

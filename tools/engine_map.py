@@ -41,8 +41,11 @@ TITLES = {
     11: "Structured output",
 }
 
-WIDTH, HEIGHT = 10.0, 5.3  # inches; one data unit is one inch
-FONT = 10.5  # points; the map is shown about 800 px wide, so this reads as ~12 px
+WIDTH, HEIGHT = 10.0, 5.45  # data units: the layout below is written in them
+SCALE = 0.72  # inches per data unit: the map is 7.2 inches wide, the column's width,
+# so the website shows it at its own size and a 9-point label reads as 12 px
+FONT = 9  # points
+TAG = FONT - 1.5  # the small print: "ch N" tags, the loop's labels, the legend
 
 # colours: highlighted (this chapter) and the rest
 HI_FILL, HI_EDGE, HI_TEXT = "#ffe2b8", "#d9730d", "#3b2300"
@@ -64,17 +67,17 @@ class Box:
 
 
 # Row A (left to right): the request goes in. Row B (right to left): tokens come out.
-ROW_A, ROW_B, ROW_H = 3.45, 2.25, 0.72
+ROW_A, ROW_B, ROW_H = 3.4, 2.2, 0.9
 BOXES = [
     Box("text_in", 0.15, ROW_A, 1.05, ROW_H, "text", 0),
     Box("encode", 1.50, ROW_A, 1.50, ROW_H, "Tokenizer\nencode", 1),
-    Box("prompt", 3.30, ROW_A, 1.55, ROW_H, "prompt ids +\nSamplingParams", 4),
+    Box("prompt", 3.30, ROW_A, 1.55, ROW_H, "prompt ids,\nparams", 4),
     Box("scheduler", 5.15, ROW_A, 1.60, ROW_H, "Scheduler\nengine.step()", 4),
     Box("model", 7.10, ROW_B, 2.75, ROW_A + ROW_H - ROW_B, "Model", 2, title_top=True),
-    Box("attention", 7.25, ROW_B + 0.15, 1.15, 0.62, "attention", 2),
-    Box("kv", 8.60, ROW_B + 0.15, 1.10, 0.62, "KV cache", 3),
+    Box("attention", 7.25, ROW_B + 0.3, 1.15, 0.62, "attention", 2),
+    Box("kv", 8.60, ROW_B + 0.3, 1.10, 0.62, "KV cache", 3),
     Box("sampling", 5.15, ROW_B, 1.60, ROW_H, "Sampling", 2),
-    Box("new_ids", 3.30, ROW_B, 1.55, ROW_H, "new token id\n(stop? stream)", 4),
+    Box("new_ids", 3.30, ROW_B, 1.55, ROW_H, "new token:\nstop? stream", 4),
     Box("decode", 1.50, ROW_B, 1.50, ROW_H, "Tokenizer\ndecode", 1),
     Box("text_out", 0.15, ROW_B, 1.05, ROW_H, "text", 0),
     # memory row
@@ -136,7 +139,7 @@ def draw(chapter: int) -> plt.Figure:
         raise ValueError(f"chapter must be one of {sorted(TITLES)}, got {chapter!r}")
     plt.rcParams["svg.hashsalt"] = "minillm-engine-map"
     plt.rcParams["font.family"] = "DejaVu Sans"
-    fig = plt.figure(figsize=(WIDTH, HEIGHT))
+    fig = plt.figure(figsize=(WIDTH * SCALE, HEIGHT * SCALE))
     ax = fig.add_axes((0, 0, 1, 1))
     ax.set_xlim(0, WIDTH)
     ax.set_ylim(0, HEIGHT)
@@ -147,7 +150,7 @@ def draw(chapter: int) -> plt.Figure:
     ax.add_patch(FancyBboxPatch((5.0, ROW_B - 0.4), 4.95, ROW_A + ROW_H - ROW_B + 0.52,
                                 boxstyle="round,pad=0,rounding_size=0.12", fill=False,
                                 ls=(0, (4, 3)), lw=1.0, ec=LO_EDGE, gid="decode-loop"))
-    ax.text(5.1, ROW_A + ROW_H + 0.17, "decode loop: once per new token", fontsize=FONT - 1.5,
+    ax.text(5.1, ROW_A + ROW_H + 0.17, "decode loop: once per new token", fontsize=TAG,
             color=LO_TEXT, va="bottom", ha="left", style="italic")
 
     for b in BOXES:
@@ -164,7 +167,7 @@ def draw(chapter: int) -> plt.Figure:
                 linespacing=1.15, zorder=3, gid=f"label-{b.key}")
         if b.key not in ("text_in", "text_out"):
             ax.text(b.x + b.w - 0.06, b.y + 0.05, f"ch {b.chapter}", ha="right", va="bottom",
-                    fontsize=FONT - 3, color=HI_EDGE if on else LO_EDGE, zorder=3,
+                    fontsize=TAG, color=HI_EDGE if on else LO_EDGE, zorder=3,
                     gid=f"tag-{b.key}")
     ax.text(BY_KEY["model"].x + BY_KEY["model"].w / 2, ROW_A + 0.25,
             "embed → N × layer → LM head", ha="center", va="center", fontsize=FONT - 1,
@@ -176,7 +179,7 @@ def draw(chapter: int) -> plt.Figure:
                                      lw=1.3, color=ARROW, shrinkA=1, shrinkB=1, zorder=4))
     # the loop arrow's label: a new token goes back to the scheduler
     ax.text(5.95 + 0.08, (ROW_B + ROW_H + ROW_A) / 2, "next step", ha="left", va="center",
-            fontsize=FONT - 2.5, color=LO_TEXT, style="italic")
+            fontsize=TAG, color=LO_TEXT, style="italic")
 
     if chapter == 8:
         for text, x, y in SYMPTOMS:
@@ -217,16 +220,16 @@ def draw(chapter: int) -> plt.Figure:
                                      connectionstyle="arc3,rad=0.25"))
 
     # banner: where this chapter sits
-    ax.add_patch(FancyBboxPatch((0.15, 4.6), 9.7, 0.55, boxstyle="round,pad=0,rounding_size=0.1",
+    ax.add_patch(FancyBboxPatch((0.15, 4.75), 9.7, 0.55, boxstyle="round,pad=0,rounding_size=0.1",
                                 fc=HI_FILL, ec=HI_EDGE, lw=1.5))
-    ax.text(0.35, 4.875, f"You are here → Chapter {chapter}: {TITLES[chapter]}",
+    ax.text(0.35, 5.025, f"You are here → Chapter {chapter}: {TITLES[chapter]}",
             ha="left", va="center", fontsize=FONT + 3, color=HI_TEXT, fontweight="bold",
             gid="banner")
     legend = ("highlighted: built in this chapter" if chapter not in (0, 8) else
               "highlighted: the parts this chapter walks through" if chapter == 0 else
               "red tags: where each symptom starts")
     ax.text(9.7, 0.2, legend + "   ·   ch N: the chapter that builds a part", ha="right",
-            va="center", fontsize=FONT - 2, color=LO_TEXT)
+            va="center", fontsize=TAG, color=LO_TEXT)
     return fig
 
 

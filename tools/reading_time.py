@@ -1,15 +1,25 @@
-"""How long a chapter takes to read: prose at 200 words a minute, plus the code a reader
-sees on the website at 10 lines a minute, rounded up to 5 minutes.
+"""How long a chapter takes to read, by a formula that says what it assumes:
 
-    python tools/reading_time.py                       a table for every chapter
+- prose at 150 words a minute when its sentences average 20 words, and slower in
+  proportion when they are longer (a 25-word average: 120 words a minute). A reader who
+  studies new technical material reads well below the 200-250 words a minute of easy
+  prose (Carver's "learning" rate is about 200, his "memorizing" rate about 140);
+  a long sentence holds more to take in, so the pace follows the sentence length,
+  measured in each chapter;
+- the code a reader sees on the website at 10 lines a minute;
+- nothing for running cells or doing the exercises; rounded up to 5 minutes.
+
+    python tools/reading_time.py                       the main path and the appendices
     python tools/reading_time.py chapters/03_kv_cache.ipynb ...
     python tools/reading_time.py --stamp chapters/03_kv_cache.ipynb --run-minutes 4
         writes (or updates) the chapter's line "*Reading time: about N minutes; running
         it: about M minutes on a laptop CPU.*" under the title of its first cell
 
 Visible code is every code cell not tagged hide-input, hide-cell, remove-cell or
-remove-input (the rule of tests/test_notebooks.py). The reading-time line itself is not
-counted, so stamping a chapter does not change its figure.
+remove-input (the rule of tests/test_notebooks.py), and every fenced block of a
+Markdown page. The reading-time line itself is not counted, so stamping a chapter does
+not change its figure. The main path is chapters/*.ipynb; the appendices are the pages
+of _toc.yml whose title starts with "Appendix".
 """
 from __future__ import annotations
 
@@ -21,11 +31,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS_PER_MINUTE = 200
+WORDS_PER_MINUTE = 150  # at SENTENCE_WORDS words a sentence; slower for longer ones
+SENTENCE_WORDS = 20
 CODE_LINES_PER_MINUTE = 10
 ROUND_TO = 5  # minutes
 WORD = re.compile(r"\w[\w'’.,:/-]*")  # a word: no table bars, bullets or rules
 HIDDEN_TAGS = {"hide-input", "hide-cell", "remove-cell", "remove-input"}
+# A sentence ends at . ! or ? followed by space and a capital letter (or a code span,
+# emphasis, a bracket or a quote); a paragraph, list item or table cell ends one too.
+SENTENCE_END = re.compile(r'(?<=[.!?])["”’)]*\s+(?=[A-Z`*(\["“])')
+FENCE = re.compile(r"^```.*?^```[ \t]*$", re.M | re.S)
 LINE = re.compile(r"^\*Reading time: about (\d+) minutes; running it: about (\d+) "
                   r"minutes? on a laptop CPU\.\*[ \t]*$", re.M)
 
@@ -39,34 +54,77 @@ def _visible(cell: dict) -> bool:
     return not HIDDEN_TAGS & set(cell.get("metadata", {}).get("tags", []))
 
 
+def sentences(text: str) -> int:
+    """How many sentences the prose holds: headings, list items, table rows and
+    paragraphs end a sentence; so do ., ! and ? before a new one."""
+    text = FENCE.sub("", LINE.sub("", text))
+    n = 0
+    for block in re.split(r"\n\s*\n|\n(?=\s*(?:[-*|#]|\d+\.)\s)", text):
+        n += sum(1 for s in SENTENCE_END.split(block) if WORD.search(s))
+    return n
+
+
 def counts(nb: dict) -> dict[str, int]:
-    """Words of prose, visible code lines, and the visible lines of exported code."""
-    words = code = engine = 0
+    """Words and sentences of prose, visible code lines, and the visible lines of
+    exported code."""
+    words = code = engine = sents = 0
     for cell in nb["cells"]:
         text = _source(cell)
         if cell["cell_type"] == "markdown":
             words += len(WORD.findall(LINE.sub("", text)))
+            sents += sentences(text)
         elif cell["cell_type"] == "code" and _visible(cell):
             lines = len(text.splitlines())
             code += lines
             if re.search(r"^\s*#\s*\|\s*export", text, re.M):
                 engine += lines
-    return {"words": words, "code_lines": code, "engine_lines": engine}
+    return {"words": words, "sentences": sents, "code_lines": code, "engine_lines": engine}
 
 
-def minutes(words: int, code_lines: int) -> int:
-    """Reading minutes, rounded up to ROUND_TO (at least ROUND_TO)."""
-    raw = words / WORDS_PER_MINUTE + code_lines / CODE_LINES_PER_MINUTE
+def pace(words: int, sentences: int) -> float:
+    """Words a minute: WORDS_PER_MINUTE, slower in proportion to sentences longer than
+    SENTENCE_WORDS words on average."""
+    mean = words / sentences if sentences else SENTENCE_WORDS
+    return WORDS_PER_MINUTE * SENTENCE_WORDS / max(SENTENCE_WORDS, mean)
+
+
+def minutes(words: int, code_lines: int, sentences: int | None = None) -> int:
+    """Reading minutes, rounded up to ROUND_TO (at least ROUND_TO); without a sentence
+    count the prose is read at WORDS_PER_MINUTE."""
+    wpm = pace(words, sentences) if sentences is not None else WORDS_PER_MINUTE
+    raw = words / wpm + code_lines / CODE_LINES_PER_MINUTE
     return max(ROUND_TO, math.ceil(raw / ROUND_TO - 1e-9) * ROUND_TO)
 
 
 def load(path: Path) -> dict:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    """A notebook, or a Markdown page as a notebook: its text one markdown cell, each
+    fenced block a visible code cell."""
+    text = Path(path).read_text(encoding="utf-8")
+    if Path(path).suffix != ".md":
+        return json.loads(text)
+    cells = [{"cell_type": "markdown", "source": FENCE.sub("", text)}]
+    for block in FENCE.findall(text):
+        body = block.split("\n")[1:-1]  # without the fences
+        cells.append({"cell_type": "code", "source": "\n".join(body), "metadata": {}})
+    return {"cells": cells}
 
 
 def reading_minutes(path: Path) -> int:
     c = counts(load(path))
-    return minutes(c["words"], c["code_lines"])
+    return minutes(c["words"], c["code_lines"], c["sentences"])
+
+
+def appendices(root: Path = ROOT) -> list[Path]:
+    """The pages of _toc.yml whose title (first line) starts with "# Appendix"."""
+    pages = []
+    for name in re.findall(r"^\s*-\s*file:\s*(\S+)", (root / "_toc.yml").read_text(), re.M):
+        for suffix in (".md", ".ipynb"):
+            page = root / (name + suffix)
+            if page.exists():
+                first = load(page)["cells"][0]
+                if _source(first).lstrip().startswith("# Appendix"):
+                    pages.append(page)
+    return pages
 
 
 def stated(path: Path) -> tuple[int, int] | None:
@@ -100,24 +158,27 @@ def stamp(path: Path, run_minutes: int) -> str:
     return new
 
 
-def table(paths: list[Path]) -> str:
+def table(paths: list[Path], title: str = "chapter") -> str:
     rows, total = [], {"words": 0, "code_lines": 0, "engine_lines": 0, "minutes": 0}
     for p in paths:
         c = counts(load(p))
-        m = minutes(c["words"], c["code_lines"])
-        s = stated(p)
-        rows.append((p.stem, c["words"], c["code_lines"], c["engine_lines"], m,
+        m = minutes(c["words"], c["code_lines"], c["sentences"])
+        s = stated(p) if p.suffix == ".ipynb" else None
+        per = c["words"] / c["sentences"] if c["sentences"] else 0
+        rows.append((p.stem, c["words"], per, round(pace(c["words"], c["sentences"])),
+                     c["code_lines"], c["engine_lines"], m,
                      "" if s is None else f"{s[0]} / {s[1]}"))
         for k in ("words", "code_lines", "engine_lines"):
             total[k] += c[k]
         total["minutes"] += m
-    head = ("chapter", "words", "code lines", "engine lines", "minutes",
-            "stated (read / run)")
-    out = [f"{head[0]:28} {head[1]:>7} {head[2]:>10} {head[3]:>12} {head[4]:>7}  "
-           f"{head[5]}"]
+    head = (title, "words", "words/sent.", "words/min", "code lines", "engine lines",
+            "minutes", "stated (read / run)")
+    out = [f"{head[0]:28} {head[1]:>7} {head[2]:>11} {head[3]:>9} {head[4]:>10} "
+           f"{head[5]:>12} {head[6]:>7}  {head[7]}"]
     for r in rows:
-        out.append(f"{r[0]:28} {r[1]:7,} {r[2]:10,} {r[3]:12,} {r[4]:7}  {r[5]}")
-    out.append(f"{'total':28} {total['words']:7,} {total['code_lines']:10,} "
+        out.append(f"{r[0]:28} {r[1]:7,} {r[2]:11.1f} {r[3]:9} {r[4]:10,} {r[5]:12,} "
+                   f"{r[6]:7}  {r[7]}")
+    out.append(f"{'total':28} {total['words']:7,} {'':11} {'':9} {total['code_lines']:10,} "
                f"{total['engine_lines']:12,} {total['minutes']:7}  "
                f"({total['minutes'] / 60:.1f} hours)")
     return "\n".join(out)
@@ -139,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{p.name}: {stamp(p, args.run_minutes)}")
         return 0
     print(table(paths))
+    if not args.notebooks and appendices():
+        print()
+        print(table(appendices(), "appendix"))
     return 0
 
 

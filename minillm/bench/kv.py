@@ -40,13 +40,13 @@ class KVBenchmark:
         return by_name[slow][column] / by_name[fast][column]
 
     def describe(self, short: bool = False) -> str:
-        """Where and how this was measured, in one line."""
+        """Where and how this was measured: the work, then the machine on a line of its own."""
         i = self.info
         work = f"{i['prompt_tokens']}-token prompt + {i['new_tokens']} new tokens"
         if short:
             return f"{i['model']}, {i['device']}, {work}"
         return (f"{i['model']} ({i['params_M']}M parameters, {i['dtype']}), {work}, "
-                f"median of {i['repeats']}; {i['hardware']}, torch {i['torch']}")
+                f"median of {i['repeats']}\nmeasured on {i['hardware']}, torch {i['torch']}")
 
 
 def run_kv_benchmark(model_path, new_tokens: int = 100, prompt_tokens: int = 256,

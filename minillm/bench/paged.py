@@ -117,7 +117,7 @@ class PagedBenchmark:
         return self.row(fast)[column] / self.row(slow)[column]
 
     def describe(self, short: bool = False) -> str:
-        """Where and how this was measured, in one line."""
+        """Where and how this was measured: the work, then the machine on a line of its own."""
         i = self.info
         prefix = (f" + a shared {i['shared_prefix']}-token prefix"
                   if i["shared_prefix"] else "")
@@ -128,8 +128,8 @@ class PagedBenchmark:
                 f"positions")
         if short:
             return f"{i['model']}, {i['device']}, {work}"
-        return (f"{i['model']} ({i['params_M']}M parameters, {i['dtype']}), {work}; "
-                f"{i['hardware']}, torch {i['torch']}")
+        return (f"{i['model']} ({i['params_M']}M parameters, {i['dtype']}),\n{work}\n"
+                f"measured on {i['hardware']}, torch {i['torch']}")
 
 
 def used_share(history) -> float:

@@ -140,13 +140,13 @@ class QuantBenchmark:
         return self.row(slow)["per_token_ms"] / self.row(fast)["per_token_ms"]
 
     def describe(self, short: bool = False) -> str:
-        """Where and how this was measured, in one line."""
+        """Where and how this was measured: the work, then the machine on a line of its own."""
         i = self.info
         work = f"{i['prompt_tokens']}-token prompt + {i['new_tokens']} new tokens"
         if short:
             return f"{i['model']}, {i['device']}, {work}"
         return (f"{i['model']} ({i['params_M']}M parameters), {work}, median of "
-                f"{i['repeats']}; {i['hardware']}, torch {i['torch']}")
+                f"{i['repeats']}\nmeasured on {i['hardware']}, torch {i['torch']}")
 
 
 def check_quant_args(model_path, modes, new_tokens, prompt_tokens, repeats, device

@@ -214,7 +214,7 @@ class ServingBenchmark:
         return [r for r in self.requests if r["method"] == name]
 
     def describe(self, short: bool = False) -> str:
-        """Where and how this was measured, in one line."""
+        """Where and how this was measured: the work, the engine's limits, the machine."""
         i = self.info
         work = (f"{i['num_requests']} requests, {i['arrivals']}, prompts "
                 f"{i['prompt_tokens']} tokens, outputs {i['output_tokens']} tokens")
@@ -224,10 +224,10 @@ class ServingBenchmark:
             return f"{i['model']}, {i['device']}, {work}"
         rounds = i.get("rounds", 1)
         turns = f", the median of {rounds} rounds in turns" if rounds > 1 else ""
-        return (f"{i['model']} ({i['params_M']}M parameters, {i['dtype']}), {work}, "
+        return (f"{i['model']} ({i['params_M']}M parameters, {i['dtype']}), {work}\n"
                 f"max_num_seqs={i['max_num_seqs']}, max_num_batched_tokens="
-                f"{i['max_num_batched_tokens']}{turns}; {i['hardware']}, "
-                f"torch {i['torch']}")
+                f"{i['max_num_batched_tokens']}{turns}\n"
+                f"measured on {i['hardware']}, torch {i['torch']}")
 
 
 def summarise_run(run: MethodRun, requests: list[Request], reference: dict | None

@@ -36,6 +36,9 @@ MIN_FIGURE_SCALE = 0.8
 # What an output must not show: a path of the machine that built the site, or the repr
 # of a Python object (its memory address): noise to a reader, different on every build.
 MACHINE_TEXT = r"(?:/(?:tmp|work|home|root)/|site-packages|<[^<>\n]{1,120} at 0x[0-9a-fA-F]+>)"
+# The longest line a printed output may have: a longer one wraps on the page (and in
+# Jupyter) in the middle of a token list or a message, where the reader loses the thread.
+MAX_OUTPUT_LINE = 120
 
 # One pass over a loaded page collects everything the tests below look at.
 COLLECT = """
@@ -134,6 +137,17 @@ async () => {
       noise.push(`${m[0]} in "${around.replace(/\\s+/g, ' ').trim()}"`);
     }
   }
+  // printed lines longer than MAX_OUTPUT_LINE characters
+  const longLines = [];
+  for (const out of outputs) {
+    for (const pre of out.querySelectorAll('pre')) {
+      for (const line of (pre.textContent || '').split('\n')) {
+        if (line.length > %(max_line)s) {
+          longLines.push(`${line.length} characters: ${line.slice(0, 60)}...`);
+        }
+      }
+    }
+  }
   // text tables: a plain-text output with rows of three or more columns (fields apart by
   // two or more spaces, or a tab); a row wider than its box wraps (or scrolls), and the
   // columns no longer line up. Widths are measured with the block's own font.
@@ -169,6 +183,7 @@ async () => {
     shrunk: shrunk.slice(0, 20),
     noise: noise.slice(0, 20),
     wrappedTables: wrappedTables.slice(0, 20),
+    longLines: longLines.slice(0, 20),
     widgets: article.querySelectorAll(
       'script[type="application/vnd.jupyter.widget-view+json"]').length,
     rawMath: rawMath.slice(0, 10),
@@ -190,7 +205,7 @@ async () => {
   };
 }
 """ % {"errors": ERROR_SELECTOR, "min_scale": MIN_FIGURE_SCALE,
-       "machine": json.dumps(MACHINE_TEXT)}
+       "machine": json.dumps(MACHINE_TEXT), "max_line": MAX_OUTPUT_LINE}
 
 
 class Visits:
@@ -208,7 +223,7 @@ class Visits:
                 self.cache[rel] = {
                     "ids": [], "images": [], "overflow": [], "errors": [], "tracebacks": 0,
                     "sideways": [], "sidewaysCount": 0, "rawMath": [], "mathCount": 0,
-                    "widgets": 0, "shrunk": [], "noise": [], "wrappedTables": [],
+                    "widgets": 0, "shrunk": [], "noise": [], "wrappedTables": [], "longLines": [],
                     "js_errors": [], "pageWidth": 0, "viewport": 0,
                     "links": [{"href": urljoin(self.base_url + rel, href), "raw": href,
                                "text": "redirect"}]}
@@ -333,6 +348,15 @@ def test_no_machine_path_or_object_repr_in_an_output(rel, visit):
     info = visit(rel)
     assert not info["noise"], "{}: outputs show machine paths or object reprs:\n{}".format(
         rel, "\n".join(info["noise"]))
+
+
+@pytest.mark.parametrize("rel", PAGES)
+def test_no_output_line_is_longer_than_120_characters(rel, visit):
+    """A printed line over MAX_OUTPUT_LINE characters (a token list, a repr, an error
+    message) wraps mid-item: print one item per line, fewer items, or wrap the text."""
+    info = visit(rel)
+    assert not info["longLines"], "{}: output lines over {} characters:\n{}".format(
+        rel, MAX_OUTPUT_LINE, "\n".join(info["longLines"]))
 
 
 @pytest.mark.parametrize("rel", PAGES)
@@ -477,6 +501,14 @@ def test_machine_path_and_repr_checks_can_fail(context):
                              "6.3 M parameters, x &lt; 0x10</pre></div>"
                              "<p>The cache lives in /tmp/ on Linux.</p>")
     assert clean["noise"] == [], f"a clean output (or prose) was reported: {clean['noise']}"
+
+
+def test_long_line_check_can_fail(context):
+    long = collect(context, "<div class='cell_output'><pre>" + "tok, " * 30 + "</pre></div>")
+    assert long["longLines"], "a 150-character output line passed"
+    short = collect(context, "<div class='cell_output'><pre>" + ("x" * 120 + "\n") * 3 +
+                             "</pre></div><p>" + "prose " * 40 + "</p>")
+    assert short["longLines"] == [], f"lines of 120 characters were reported: {short}"
 
 
 def test_text_table_check_can_fail(context):
