@@ -16,12 +16,13 @@ import sys
 FEATURES: dict[str, tuple[str, ...]] = {
     "minillm.sampling.SAMPLING_FIELDS": ("minillm.structured.params",),  # chapter 11
     "minillm.loader.QUANTIZATIONS": ("minillm.quant",),                  # chapter 5
-    "minillm.loader.DTYPE_RULES": ("minillm.perf",),                     # chapter 7
+    "minillm.loader.DTYPE_RULES": ("minillm.dtype_auto",),               # chapter 7
     "minillm.kv.base.KV_BACKENDS": ("minillm.kv.slots",                  # chapter 4
                                     "minillm.kv.paged"),                 # chapter 6
     "minillm.kv.base.DEFAULT_KV_CACHE": ("minillm.kv.paged",),           # chapter 6
     "minillm.engine.scheduler.SCHEDULERS": ("minillm.engine.paged_scheduler",),  # 6
     "minillm.engine.config.ENGINE_OPTIONS": ("minillm.engine.graphs",    # chapter 7
+                                             "minillm.engine.compiled",  # its appendix
                                              "minillm.spec.engine",      # chapter 10
                                              "minillm.structured.engine"),  # chapter 11
     "minillm.serve.protocol.REQUEST_FIELDS": ("minillm.structured.serve",),  # ch. 11

@@ -26,8 +26,8 @@ def _check_positive(**values) -> None:
             raise ValueError(f"{name}={v!r}: must be a number > 0")
 
 # %% auto #0
-__all__ = ['GPU_PEAKS', 'KERNEL_LAUNCHES', 'AUTO_BF16_SPEEDUP', 'measure_bandwidth', 'decode_bytes', 'peak_for', 'mbu',
-           'quiet_native_stderr', 'launch_counts', 'cpu_bf16_speedup', 'cpu_auto_dtype']
+__all__ = ['GPU_PEAKS', 'KERNEL_LAUNCHES', 'measure_bandwidth', 'decode_bytes', 'peak_for', 'mbu', 'quiet_native_stderr',
+           'launch_counts']
 
 # %% ../chapters/07_performance.ipynb #c11-floors
 def measure_bandwidth(device, nbytes: int = 2**28, repeats: int = 10) -> float:
@@ -123,45 +123,3 @@ def launch_counts(prof) -> dict:
     return {"aten ops": sum(n for k, n in counts.items() if k.startswith("aten::")),
             "kernel launches": sum(counts.get(k, 0) for k in KERNEL_LAUNCHES),
             "graph launches": counts.get("cudaGraphLaunch", 0)}
-
-# %% ../chapters/07_performance.ipynb #c97r-auto-h
-import functools
-
-from .loader import DTYPE_RULES
-from .sources import announce
-
-# %% ../chapters/07_performance.ipynb #c97s-auto
-AUTO_BF16_SPEEDUP = 1.3  # bfloat16 must be this much faster than float32 to be chosen
-
-
-@functools.lru_cache(maxsize=None)  # measured once per process
-def cpu_bf16_speedup(repeats: int = 15) -> float:
-    """float32 time / bfloat16 time of one token through a 2048 x 4096 linear layer on
-    the CPU: the fastest of `repeats` rounds of 4 calls each, the dtypes in turns (the
-    fastest round is the one that other work on the machine disturbed least)."""
-    weights = {dt: torch.randn(4096, 2048).to(dt)
-               for dt in (torch.float32, torch.bfloat16)}
-    x = {dt: torch.randn(1, 2048, dtype=dt) for dt in weights}
-    best = {dt: float("inf") for dt in weights}
-    with torch.no_grad():
-        for round_ in range(repeats + 1):  # round 0 warms each kernel up
-            for dt, w in weights.items():
-                start = time.perf_counter()
-                for _ in range(4):
-                    torch.nn.functional.linear(x[dt], w)
-                if round_:
-                    best[dt] = min(best[dt], time.perf_counter() - start)
-    return best[torch.float32] / best[torch.bfloat16]
-
-
-def cpu_auto_dtype(config, device: torch.device) -> torch.dtype:
-    """dtype="auto" on a CPU: bfloat16 where it measured AUTO_BF16_SPEEDUP times as
-    fast as float32, else float32; the choice is said once per process."""
-    speedup = cpu_bf16_speedup()
-    dtype = torch.bfloat16 if speedup >= AUTO_BF16_SPEEDUP else torch.float32
-    announce("dtype='auto'", f"{str(dtype)[6:]} on this CPU (a bfloat16 matmul "
-             f"ran {speedup:.2f}x as fast as float32)")
-    return dtype
-
-
-DTYPE_RULES["cpu"] = cpu_auto_dtype  # chapter 2's loader asks it for dtype="auto"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import minillm.perf as perf
+import minillm.dtype_auto as perf
 from minillm.engine import LLM
 from minillm.loader import DTYPE_RULES, load_model
 

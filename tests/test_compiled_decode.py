@@ -1,4 +1,4 @@
-"""minillm.engine.graphs' compiled decode step (chapter 7, section 14): the engine with
+"""minillm.engine.compiled: the compiled decode step (chapter 7's appendix on CPU speed): the engine with
 compile_decode=True gives the eager engine's greedy tokens, on both KV backends and in
 chapter 5's fused int8 and int4 modes (with and without freezing), compiles one step
 per bucket, reports what compiling took, and takes compiled code from PyTorch's cache."""
@@ -14,7 +14,8 @@ from helpers import drive
 from minillm import LLM
 from minillm.bench.measure import fast_copy
 from minillm.engine import LLMEngine
-from minillm.engine.graphs import CompiledRunner, GraphRunner, enable_compiled_decode
+from minillm.engine.compiled import CompiledRunner, enable_compiled_decode
+from minillm.engine.graphs import GraphRunner
 from minillm.sampling import SamplingParams
 
 torch.set_num_threads(1)

@@ -19,6 +19,10 @@ import export  # noqa: E402
 from setup_cell import first_code_cell, repository_url, setup_cell_source  # noqa: E402
 
 CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
+# The main path: NN_name.ipynb. An appendix to chapter NN is NNa_name.ipynb (its title
+# starts with "# Appendix"): no map, exercises or summary of its own.
+MAIN = [p for p in CHAPTERS if re.fullmatch(r"\d\d_\w+", p.stem)]
+APPENDICES = [p for p in CHAPTERS if p not in MAIN]
 MAX_CODE_LINE = 88  # characters: wider lines run past the page on the website
 DEFAULT_EXP = re.compile(r"^\s*#\s*\|\s*default_exp\b", re.M)
 
@@ -223,7 +227,7 @@ def markdown(path: Path) -> str:
     return "\n".join("".join(c["source"]) for c in load(path)["cells"] if c["cell_type"] == "markdown")
 
 
-@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MAIN, ids=lambda p: p.name)
 def test_chapter_shows_its_engine_map(path):
     figure = f"../book/figures/engine_map_{path.name[:2]}.svg"
     assert f"]({figure})" in markdown(path), \
@@ -231,7 +235,7 @@ def test_chapter_shows_its_engine_map(path):
     assert (path.parent / figure).resolve().is_file(), f"{figure} is missing: run `make figures`"
 
 
-@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MAIN, ids=lambda p: p.name)
 def test_chapter_has_exercises_and_a_summary(path):
     text = markdown(path)
     assert re.search(r"^## Exercises\s*$", text, re.M), f"{path.name}: no `## Exercises` section"
@@ -260,7 +264,7 @@ def exercise_cells(path: Path) -> list[dict]:
     return cells
 
 
-@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MAIN, ids=lambda p: p.name)
 def test_solutions_are_code_and_hidden_with_their_output(path):
     """A solution is a cell that checks its answer; on the website the answer stays
     folded away, its output too (hide-cell: hide-input would show the output). A cell
@@ -278,7 +282,7 @@ def test_solutions_are_code_and_hidden_with_their_output(path):
         f"{path.name}: no solution asserts its answer"
 
 
-@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MAIN, ids=lambda p: p.name)
 def test_solution_toggles_say_what_they_hide(path):
     """Issue 42: MyST-NB labels a folded cell "Show code cell content"; a solution's
     toggle says "Solution" (cell metadata mystnb.code_prompt_show), and every chapter
@@ -310,7 +314,19 @@ def test_every_core_exercise_has_a_stub_and_a_test_that_can_fail(path):
 def test_the_chapters_have_core_exercises():
     """Issue 54: from chapter 1 on, the function that is a chapter's idea is an exercise
     (`attempt(...)`)."""
-    missing = [p.name for p in CHAPTERS if "00" < p.name[:2]
+    missing = [p.name for p in MAIN if "00" < p.name[:2]
                and "\nattempt(" not in "\n" + "\n".join(
                    "".join(c["source"]) for c in json.loads(p.read_text())["cells"])]
     assert not missing, f"no core exercise in {missing}"
+
+
+@pytest.mark.parametrize("path", APPENDICES, ids=lambda p: p.name)
+def test_an_appendix_names_itself_and_its_chapter_exists(path):
+    """An appendix notebook (NNa_name.ipynb) is titled "# Appendix: ..." and belongs to a
+    chapter NN of the main path, which links to it."""
+    assert re.fullmatch(r"\d\d[a-z]_\w+", path.stem), path.name
+    assert markdown(path).lstrip().startswith("# Appendix: "), path.name
+    chapter = [p for p in MAIN if p.name[:2] == path.name[:2]]
+    assert chapter, f"{path.name}: no chapter {path.name[:2]} on the main path"
+    assert f"<{path.stem}>" in markdown(chapter[0]), \
+        f"{chapter[0].name} does not link to its appendix {path.stem}"

@@ -114,6 +114,12 @@ def reading_minutes(path: Path) -> int:
     return minutes(c["words"], c["code_lines"], c["sentences"])
 
 
+def main_path(root: Path = ROOT) -> list[Path]:
+    """The chapters, chapters/NN_name.ipynb (an appendix notebook is NNa_name.ipynb)."""
+    return [p for p in sorted((root / "chapters").glob("*.ipynb"))
+            if re.fullmatch(r"\d\d_\w+", p.stem)]
+
+
 def appendices(root: Path = ROOT) -> list[Path]:
     """The pages of _toc.yml whose title (first line) starts with "# Appendix"."""
     pages = []
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-minutes", type=int,
                         help="with --stamp: minutes the chapter takes to run on a CPU")
     args = parser.parse_args(argv)
-    paths = args.notebooks or sorted((ROOT / "chapters").glob("*.ipynb"))
+    paths = args.notebooks or main_path()
     if args.stamp:
         if not args.notebooks or args.run_minutes is None or args.run_minutes < 1:
             parser.error("--stamp needs notebooks and --run-minutes N (N >= 1)")

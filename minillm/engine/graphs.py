@@ -26,8 +26,7 @@ def _check_buckets(**lists) -> None:
             raise ValueError(f"{name}={xs!r}: give increasing ints >= 1")
 
 # %% auto #0
-__all__ = ['default_buckets', 'GraphRunner', 'graph_blockers', 'enable_cuda_graphs', 'cuda_graphs_option', 'compile_parts',
-           'CompiledRunner', 'enable_compiled_decode', 'compile_decode_option']
+__all__ = ['default_buckets', 'GraphRunner', 'graph_blockers', 'enable_cuda_graphs', 'cuda_graphs_option', 'compile_parts']
 
 # %% ../../chapters/07_performance.ipynb #c41-graphs
 def default_buckets(largest: int, smallest: int = 1, factor: int = 2) -> list[int]:
@@ -194,7 +193,7 @@ def _run(self, batch) -> list:
             self.static[key] = (*self._buffers(key), None)
         ids, meta, _ = self.static[key]
         self._fill(ids, meta, new_ids, new_meta)
-        logits = self.forward_step(key, ids, meta)  # eagerly (§14: compiled)
+        logits = self.forward_step(key, ids, meta)  # eagerly (appendix: compiled)
     self.last_tokens = len(seqs)
     return self.finish_step(batch, logits[:len(seqs), -1])  # sample, commit
 
@@ -293,91 +292,3 @@ def compile_parts(model: torch.nn.Module, **options) -> list[str]:
         model.get_submodule(name).compile(**options)
     model.compile_options = dict(options)
     return names + ["norm"]
-
-# %% ../../chapters/07_performance.ipynb #c97w-cstep-h
-from torch._dynamo.utils import counters
-
-
-def _allow_recompiles() -> None:
-    """Every compiled step is one more version of one Python function (`step` below,
-    for every bucket of every engine in this process). torch.compile keeps 8 versions
-    of a function by default, then runs it eagerly: allow as many as it allows in
-    all."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit,
-                                 config.accumulated_recompile_limit)
-
-
-def _compile_now(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
-    """The first call of a bucket's step: compiles, timed; counts inductor's on-disk
-    cache hits (compiled code a process before this one wrote) and reports."""
-    hits = counters["inductor"]["fxgraph_cache_hit"]
-    start = time.perf_counter()
-    logits = self.forward_step(key, ids, meta)
-    self.compile_seconds += time.perf_counter() - start
-    self.cache_hits += counters["inductor"]["fxgraph_cache_hit"] - hits
-    self.compile_report = (
-        f"compiled {len(self.steps)} decode step(s) in {self.compile_seconds:.1f} s "
-        f"({self.cache_hits} from PyTorch's on-disk cache)")
-    _log.info(self.compile_report)
-    return logits
-
-# %% ../../chapters/07_performance.ipynb #c97x-cstep
-class CompiledRunner(GraphRunner):
-    """The graph runner whose padded decode steps run a function torch.compile'd for
-    their (batch size, attention span) bucket, compiled on its first use (on a CPU:
-    inductor's C++ code)."""
-
-    def __init__(self, model, kv, buckets: list[int], spans: list[int],
-                 freezing: bool = False):
-        super().__init__(model, kv, buckets, spans, capture=False)
-        self.freezing = freezing
-        self.steps: dict[tuple, object] = {}  # (bucket, span) -> its compiled step
-        self.compile_seconds, self.cache_hits = 0.0, 0
-        self.compile_report: str | None = None  # what compiling took so far
-        _allow_recompiles()
-
-    def compiled_step(self, key: tuple[int, int]):
-        """One bucket's decode forward as a function of its buffers, compiled."""
-        span = key[1]
-
-        def step(ids, positions, slot_mapping, block_tables, logits_index):
-            meta = StepMeta(positions=positions, logits_index=logits_index,
-                            slot_mapping=slot_mapping, block_tables=block_tables,
-                            max_context=span)  # a constant: the bucket's span
-            return self.model(ids, positions, kv=self.kv, meta=meta)
-        return torch.compile(step, fullgraph=True, dynamic=False, options={
-            "freezing": self.freezing, "emulate_precision_casts": True})
-
-    def forward_step(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
-        if key not in self.steps:
-            self.steps[key] = self.compiled_step(key)
-            return _compile_now(self, key, ids, meta)  # timed, reported
-        return self.steps[key](ids, meta.positions, meta.slot_mapping,
-                               meta.block_tables, meta.logits_index)
-
-# %% ../../chapters/07_performance.ipynb #c97z-cstep
-def enable_compiled_decode(engine, buckets: list[int] | None = None,
-                           spans: list[int] | None = None, max_graphs: int = 64,
-                           freezing: bool = False) -> CompiledRunner:
-    """Make `engine`'s decode steps run one torch.compile'd step per bucket, each
-    compiled on its first use; buckets and spans as enable_cuda_graphs chooses them
-    (max_graphs bounds the number of compiled steps)."""
-    buckets, spans = _buckets_and_spans(engine, buckets, spans, max_graphs)
-    old = engine.runner
-    runner = _take_over(CompiledRunner(old.model, old.kv, buckets, spans, freezing),
-                        old)
-    engine.runner = runner
-    return runner
-
-
-def compile_decode_option(on: bool | None) -> bool | None:
-    """LLMEngine(..., compile_decode=True): decode through compiled steps."""
-    if on is not None and not isinstance(on, bool):  # None: left out
-        raise ValueError(f"compile_decode={on!r}: must be True or False")
-    return on or None
-
-
-register_engine_option("compile_decode", compile_decode_option, order=20,
-                       apply=lambda engine, on: enable_compiled_decode(engine),
-                       excludes=("cuda_graphs",))

@@ -141,7 +141,7 @@ async () => {
   const longLines = [];
   for (const out of outputs) {
     for (const pre of out.querySelectorAll('pre')) {
-      for (const line of (pre.textContent || '').split('\n')) {
+      for (const line of (pre.textContent || '').split('\\n')) {
         if (line.length > %(max_line)s) {
           longLines.push(`${line.length} characters: ${line.slice(0, 60)}...`);
         }
