@@ -20,9 +20,9 @@ from .loader import QUANTIZATIONS
 __all__ = ['MODES', 'GROUPED_MODES', 'TARGET_CHECKS', 'ON_LOAD', 'INT4_GROUPS', 'absmax_quantize', 'dequantize', 'Int8Linear',
            'int_mm_works', 'int8_matmul', 'exact_int8_matmul', 'Int8Int8Linear', 'fbgemm_missing', 'FbgemmLinear',
            'quantize', 'is_quantized', 'import_bitsandbytes', 'bnb_missing', 'bnb_from_linear', 'quantize_targets',
-           'checked_ids', 'perplexity', 'int8_layers_on_meta', 'activation_absmax', 'smooth_groups', 'smooth',
-           'smooth_plan', 'gguf_quantize', 'gguf_round_trip', 'fused_kernel', 'PackedInt8Linear', 'int4_quantize',
-           'int4_dequantize', 'Int4Linear', 'quantize_head']
+           'checked_ids', 'perplexity', 'int8_layers_on_meta', 'next_log_probs', 'against_float_of',
+           'activation_absmax', 'smooth_groups', 'smooth', 'smooth_plan', 'fused_kernel', 'PackedInt8Linear',
+           'int4_quantize', 'int4_dequantize', 'Int4Linear', 'quantize_head']
 
 # %% ../chapters/05_int8.ipynb #c11-absmax
 def absmax_quantize(w: torch.Tensor, group_size: int | None = None
@@ -379,7 +379,7 @@ def quantize_targets(model, mode: str, group_size, skip) -> list[tuple[str, nn.M
                                        or linear.in_features % group_size):
             raise ValueError(f"group_size={group_size!r} does not divide "
                              f"{name}.in_features={linear.in_features}")
-        if mode in TARGET_CHECKS:  # a mode's own limits (section 14's int4)
+        if mode in TARGET_CHECKS:  # a mode's own limits (section 12's int4)
             TARGET_CHECKS[mode](name, linear, group_size)
         w = linear.weight.detach()  # NaN and inf show in the extremes
         low, high = torch.aminmax(w) if w.numel() else (0.0, 0.0)
@@ -473,6 +473,38 @@ def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
 ON_LOAD = {"int8": "w8a16", "w8a16": "w8a16", "w8a8": "w8a8"}  # name -> mode
 for _mode in ON_LOAD:  # load_model(path, quantization=...)
     QUANTIZATIONS[_mode] = int8_layers_on_meta
+
+# %% ../chapters/05_int8.ipynb #r03-score
+@torch.no_grad()
+def next_log_probs(m: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """log p(next token) at each position of the windows [W, T]: [W, T - 1, vocab]"""
+    positions = torch.arange(windows.shape[1], device=windows.device)
+    return m(windows, positions[None].expand(len(windows), -1))[:, :-1].float(
+        ).log_softmax(-1)
+
+
+def against_float_of(reference: nn.Module, windows: torch.Tensor) -> Callable:
+    """against_float(m): m's perplexity on the windows; its change and the KL
+    divergence against the reference, each with one standard error over the
+    windows; the next-token agreement."""
+    ref_logp = next_log_probs(reference, windows)
+    true_next = windows[:, 1:, None]
+    ref_nll = -ref_logp.gather(-1, true_next)[..., 0]  # [W, T - 1]
+
+    def against_float(m: nn.Module) -> dict:
+        logp = next_log_probs(m, windows)
+        change = (-logp.gather(-1, true_next)[..., 0] - ref_nll).mean(1)  # per window
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean(1)  # per window
+        agree = (logp.argmax(-1) == ref_logp.argmax(-1)).float().mean().item()
+        n = len(windows) ** 0.5
+        return {"perplexity": (ref_nll.mean() + change.mean()).exp().item(),
+                "change": change.mean().exp().item() - 1,
+                "± change": (change.std() / n).item(),
+                "KL": kl.mean().item(), "± KL": (kl.std() / n).item(),
+                "agreement": agree}
+    return against_float
+
+
 
 # %% ../chapters/05_int8.ipynb #s10-absmax
 @torch.no_grad()
@@ -615,80 +647,6 @@ def smooth_plan(model: nn.Module, act_max: dict, alpha: float) -> list[tuple]:
                              f"activation_absmax; got {got}")
         plan.append((source, src, lins, x))
     return plan
-
-# %% ../chapters/05_int8.ipynb #f09-helpers
-def _roundf(v: torch.Tensor) -> torch.Tensor:
-    """C's roundf (halves away from zero), as llama.cpp's Python code does."""
-    a = v.abs()
-    whole = a.floor()
-    half_up = a.sub_(whole).mul_(2).floor_()  # 1 where the fraction is >= 0.5
-    return whole.add_(half_up).mul_(v.sign())
-
-
-def _inverse(d: torch.Tensor) -> torch.Tensor:
-    """1 / d, and 0 for d = 0: a block of zeros stays zeros."""
-    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
-
-
-def _half_bytes(v: torch.Tensor) -> torch.Tensor:
-    """[n, 1] float32 -> [n, 2]: the bytes of each value as a float16."""
-    return v.half().view(torch.uint8)
-
-
-def _nibble_bytes(q: torch.Tensor) -> torch.Tensor:
-    """[n, 32] numbers 0..15 -> [n, 16] bytes: the first 16 in the low halves,
-    the last 16 in the high halves (what Chapter 2's dequantize reads)."""
-    q = q.to(torch.uint8)
-    return q[:, :16] | (q[:, 16:] << 4)
-
-
-def _gguf_blocks(w: torch.Tensor, kind: str) -> torch.Tensor:
-    """gguf_quantize's checks; returns w's float32 blocks, one per row."""
-    from minillm.gguf import BLOCKS
-    if not isinstance(kind, str) or kind not in BLOCKS:
-        raise ValueError(f"kind={kind!r}: give one of {sorted(BLOCKS)}")
-    per_block, _ = BLOCKS[kind]
-    if (not isinstance(w, torch.Tensor) or not w.is_floating_point()
-            or w.dim() < 1 or w.shape[-1] % per_block or not w.numel()):
-        got = (f"shape {tuple(w.shape)}, {w.dtype}"
-               if isinstance(w, torch.Tensor) else type(w).__name__)
-        raise ValueError(f"w: give float weights whose rows are a multiple of "
-                         f"{per_block} long; got {got}")
-    x = w.detach().float().reshape(-1, per_block)  # one block per row
-    low, high = torch.aminmax(x)
-    if not (math.isfinite(low) and math.isfinite(high)):
-        raise ValueError("w holds NaN or inf: a block's scale would be none")
-    return x
-
-# %% ../chapters/05_int8.ipynb #f10-quant
-def gguf_quantize(w: torch.Tensor, kind: str) -> torch.Tensor:
-    """Float weights w [..., n] (n a multiple of 32) in one of llama.cpp's block
-    formats, Q8_0, Q4_0 or Q4_1: the bytes [..., n // 32 * bytes per block],
-    the same bytes as llama.cpp's reference quantizer (gguf.quants.quantize)."""
-    x = _gguf_blocks(w, kind)  # checked (hidden above); one block of 32 per row
-    if kind == "Q8_0":  # x = d * q, q = round(x / d) in -127..127
-        d = x.abs().amax(-1, keepdim=True) / 127
-        q = _roundf(x * _inverse(d)).to(torch.int8).view(torch.uint8)
-        parts = [_half_bytes(d), q]
-    elif kind == "Q4_0":  # x = d * (q - 8): the largest |x| lands on q = 0
-        big = x.gather(-1, x.abs().argmax(-1, keepdim=True))
-        d = big / -8
-        q = torch.trunc(x * _inverse(d) + 8.5).clamp(0, 15)
-        parts = [_half_bytes(d), _nibble_bytes(q)]
-    else:  # Q4_1: x = d * q + m, m the block's minimum, q in 0..15
-        m, top = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-        d = (top - m) / 15
-        q = torch.trunc((x - m) * _inverse(d) + 0.5).clamp(0, 15)
-        parts = [_half_bytes(d), _half_bytes(m), _nibble_bytes(q)]
-    return torch.cat(parts, -1).reshape(*w.shape[:-1], -1)
-
-
-def gguf_round_trip(w: torch.Tensor, kind: str) -> torch.Tensor:
-    """w stored in `kind` and read back with Chapter 2's dequantize: the
-    float32 weights a GGUF file of that kind holds (on w's device)."""
-    from minillm.gguf import dequantize as gguf_dequantize
-    raw = gguf_quantize(w, kind).cpu()
-    return gguf_dequantize(raw.numpy(), kind, tuple(w.shape)).to(w.device)
 
 # %% ../chapters/05_int8.ipynb #k01-kernels
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS", "xpu": "XPU"}

@@ -232,7 +232,7 @@ class Tokenizer:
         self.byte_fallback, self.unk_token = byte_fallback, unk_token
         self.fuse_unk, self.ignore_merges = fuse_unk, ignore_merges
         self.model_max_length = model_max_length
-        self.chat_template = chat_template  # Jinja2 text (section 15), or None
+        self.chat_template = chat_template  # Jinja2 text (section 11), or None
         _check_special_names(self.special, bos_token, eos_token, pad_token,
                              *(prefix_tokens or ()), *suffix_tokens)
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token

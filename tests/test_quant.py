@@ -22,9 +22,9 @@ from minillm.loader import load_model
 from minillm.quant import (FbgemmLinear, Int8Int8Linear, Int8Linear, PackedInt8Linear,
                            absmax_quantize,
                            activation_absmax, bnb_missing, dequantize, exact_int8_matmul,
-                           fbgemm_missing, gguf_quantize, gguf_round_trip,
-                           int8_layers_on_meta, int8_matmul, is_quantized, perplexity,
+                           fbgemm_missing, int8_layers_on_meta, int8_matmul, is_quantized, perplexity,
                            quantize, smooth)
+from minillm.quant_formats import gguf_quantize, gguf_round_trip
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
