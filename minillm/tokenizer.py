@@ -320,7 +320,7 @@ def _len(self) -> int:
 def _repr(self) -> str:
     kind = "byte-level" if self.byte_level else "byte-fallback"
     return (f"Tokenizer({kind}, vocab_size={self.vocab_size}, "
-            f"merges={len(self.merges)}, special={list(self.special)}, "
+            f"merges={len(self.merges)}, special tokens={len(self.special)}, "
             f"bos={self.bos_token!r}, eos={self.eos_token!r})")
 
 

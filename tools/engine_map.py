@@ -1,6 +1,6 @@
 """Draw the "you are here" map of the engine that opens every chapter.
 
-    python tools/engine_map.py            # write book/figures/engine_map_00.svg ... _11.svg
+    python tools/engine_map.py            # write book/figures/engine_map_00.svg ... _12.svg
     python tools/engine_map.py --check    # fail if a committed map differs from a fresh one
 
 One drawing of the engine's data flow (text -> tokenizer -> prompt ids -> scheduler ->
@@ -39,6 +39,7 @@ TITLES = {
     9: "Serving",
     10: "Speculative decoding",
     11: "Structured output",
+    12: "Batch invariance",
 }
 
 WIDTH, HEIGHT = 10.0, 5.45  # data units: the layout below is written in them
@@ -96,6 +97,7 @@ HIGHLIGHT[8] = set()
 HIGHLIGHT[9] = {"text_in", "text_out"}  # and the server box drawn below them
 HIGHLIGHT[10] = set()  # its parts are drawn below the loop
 HIGHLIGHT[11] = set()  # the mask is drawn below the sampling box
+HIGHLIGHT[12] = set()  # the fixed-order model is drawn below it
 
 # Chapter 8 marks where each symptom of its troubleshooting table comes from.
 SYMPTOMS = [  # (text, x, y) of the tag's centre
@@ -216,6 +218,17 @@ def draw(chapter: int) -> plt.Figure:
                 ha="center", va="center",
                 fontsize=FONT, color=HI_TEXT, fontweight="bold", zorder=3, gid="mask")
         ax.add_patch(FancyArrowPatch((5.35, 1.805), (5.95, ROW_B), arrowstyle="-|>",
+                                     mutation_scale=13, lw=1.3, color=ARROW, zorder=4,
+                                     connectionstyle="arc3,rad=0.25"))
+
+    if chapter == 12:  # the model's reductions in a fixed order, whatever the batch
+        ax.add_patch(FancyBboxPatch((0.15, 1.58), 6.60, 0.45,
+                                    boxstyle="round,pad=0,rounding_size=0.1", fc=HI_FILL,
+                                    ec=HI_EDGE, lw=2.2, gid="box-invariant", zorder=2))
+        ax.text(3.45, 1.805, "linears in fixed row blocks, attention page by page",
+                ha="center", va="center",
+                fontsize=FONT, color=HI_TEXT, fontweight="bold", zorder=3, gid="invariant")
+        ax.add_patch(FancyArrowPatch((6.75, 1.805), (7.6, ROW_B), arrowstyle="-|>",
                                      mutation_scale=13, lw=1.3, color=ARROW, zorder=4,
                                      connectionstyle="arc3,rad=0.25"))
 
