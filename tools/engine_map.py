@@ -99,6 +99,16 @@ HIGHLIGHT[10] = set()  # its parts are drawn below the loop
 HIGHLIGHT[11] = set()  # the mask is drawn below the sampling box
 HIGHLIGHT[12] = set()  # the fixed-order model is drawn below it
 
+# Chapters 10-12 draw their part as a band below the loop: (width, text, gid, arrow to)
+BANDS = {
+    10: (6.60, "draft k tokens → verify in one forward → rejection sampler", "proposer",
+         (7.6, ROW_B)),  # drafts from a proposer, verified by the model
+    11: (5.20, "grammar → matcher → token bitmask (−∞)", "mask",
+         (5.95, ROW_B)),  # a grammar's mask on the logits, before sampling
+    12: (6.60, "linears in fixed row blocks, attention page by page", "invariant",
+         (7.6, ROW_B)),  # the model's sums in a fixed order, whatever the batch
+}
+
 # Chapter 8 marks where each symptom of its troubleshooting table comes from.
 SYMPTOMS = [  # (text, x, y) of the tag's centre
     ("garbled text", 2.25, ROW_B - 0.22),
@@ -199,36 +209,14 @@ def draw(chapter: int) -> plt.Figure:
         ax.add_patch(FancyArrowPatch((0.675, 2.03), (0.675, ROW_B), arrowstyle="<|-|>",
                                      mutation_scale=13, lw=1.3, color=ARROW, zorder=4))
 
-    if chapter == 10:  # drafts from a proposer, verified by the model, accepted below
-        ax.add_patch(FancyBboxPatch((0.15, 1.58), 6.60, 0.45,
+    if chapter in BANDS:  # a band below the loop, with an arrow to what it acts on
+        width, text, gid, (x_to, y_to) = BANDS[chapter]
+        ax.add_patch(FancyBboxPatch((0.15, 1.58), width, 0.45,
                                     boxstyle="round,pad=0,rounding_size=0.1", fc=HI_FILL,
-                                    ec=HI_EDGE, lw=2.2, gid="box-proposer", zorder=2))
-        ax.text(3.45, 1.805, "draft k tokens → verify in one forward → rejection sampler",
-                ha="center", va="center",
-                fontsize=FONT, color=HI_TEXT, fontweight="bold", zorder=3, gid="proposer")
-        ax.add_patch(FancyArrowPatch((6.75, 1.805), (7.6, ROW_B), arrowstyle="-|>",
-                                     mutation_scale=13, lw=1.3, color=ARROW, zorder=4,
-                                     connectionstyle="arc3,rad=0.25"))
-
-    if chapter == 11:  # a grammar's mask on the logits, before sampling
-        ax.add_patch(FancyBboxPatch((0.15, 1.58), 5.20, 0.45,
-                                    boxstyle="round,pad=0,rounding_size=0.1", fc=HI_FILL,
-                                    ec=HI_EDGE, lw=2.2, gid="box-mask", zorder=2))
-        ax.text(2.75, 1.805, "grammar → matcher → token bitmask (−∞)",
-                ha="center", va="center",
-                fontsize=FONT, color=HI_TEXT, fontweight="bold", zorder=3, gid="mask")
-        ax.add_patch(FancyArrowPatch((5.35, 1.805), (5.95, ROW_B), arrowstyle="-|>",
-                                     mutation_scale=13, lw=1.3, color=ARROW, zorder=4,
-                                     connectionstyle="arc3,rad=0.25"))
-
-    if chapter == 12:  # the model's reductions in a fixed order, whatever the batch
-        ax.add_patch(FancyBboxPatch((0.15, 1.58), 6.60, 0.45,
-                                    boxstyle="round,pad=0,rounding_size=0.1", fc=HI_FILL,
-                                    ec=HI_EDGE, lw=2.2, gid="box-invariant", zorder=2))
-        ax.text(3.45, 1.805, "linears in fixed row blocks, attention page by page",
-                ha="center", va="center",
-                fontsize=FONT, color=HI_TEXT, fontweight="bold", zorder=3, gid="invariant")
-        ax.add_patch(FancyArrowPatch((6.75, 1.805), (7.6, ROW_B), arrowstyle="-|>",
+                                    ec=HI_EDGE, lw=2.2, gid=f"box-{gid}", zorder=2))
+        ax.text(0.15 + width / 2, 1.805, text, ha="center", va="center",
+                fontsize=FONT, color=HI_TEXT, fontweight="bold", zorder=3, gid=gid)
+        ax.add_patch(FancyArrowPatch((0.15 + width, 1.805), (x_to, y_to), arrowstyle="-|>",
                                      mutation_scale=13, lw=1.3, color=ARROW, zorder=4,
                                      connectionstyle="arc3,rad=0.25"))
 
