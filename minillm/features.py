@@ -25,12 +25,15 @@ FEATURES: dict[str, tuple[str, ...]] = {
                                              "minillm.engine.compiled",  # its appendix
                                              "minillm.spec.engine",      # chapter 10
                                              "minillm.structured.engine",  # chapter 11
-                                             "minillm.invariant.engine"),  # chapter 12
+                                             "minillm.invariant.engine",  # chapter 12
+                                             "minillm.parallel.engine"),  # chapter 13
+    "minillm.engine.llm.MODEL_LOADERS": ("minillm.parallel.engine",),     # chapter 13
     "minillm.serve.protocol.REQUEST_FIELDS": ("minillm.structured.serve",),  # ch. 11
     "minillm.serve.async_engine.REQUEST_PREPARERS": ("minillm.structured.serve",),
     "minillm.serve.app.CHAT_REPLIES": ("minillm.structured.serve",),       # ch. 11
     "minillm.serve.cli.ENGINE_FLAGS": ("minillm.spec.serve",               # ch. 10
-                                       "minillm.invariant.serve"),         # ch. 12
+                                       "minillm.invariant.serve",          # ch. 12
+                                       "minillm.parallel.serve"),          # ch. 13
     "minillm.serve.metrics.METRIC_COLLECTORS": ("minillm.spec.serve",),    # ch. 10
 }
 _loaded: set[str] = set()

@@ -102,7 +102,8 @@ def test_a_huge_max_num_seqs_is_refused_at_once(model):
 CHECK_SITES = {  # argument -> the modules that raise about its value (one function each)
     "max_num_seqs": ["engine/config.py"],
     "max_num_batched_tokens": ["engine/config.py"],
-    "max_model_len": ["engine/config.py"],
+    "max_model_len": ["engine/config.py",
+                      "parallel/plan.py"],  # plan_parallel's own (vLLM's name)
     "policy": ["engine/scheduler.py",  # check_policy
                "kv/paged.py"],         # the paged backend schedules continuously
     "enable_chunked_prefill": ["engine/scheduler.py"],

@@ -86,7 +86,7 @@ def test_vllm_arguments_accepted_where_they_mean_something():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(tensor_parallel_size=2), "one device"),
+    (dict(tensor_parallel_size=3), "tensor_parallel_size=3: this model has 2 KV"),
     (dict(tensor_parallel_size=1.5), "tensor_parallel_size=1.5"),
     (dict(enforce_eager="yes"), "enforce_eager='yes'"),
     (dict(trust_remote_code=1), "trust_remote_code=1"),

@@ -1,6 +1,6 @@
 """Draw the "you are here" map of the engine that opens every chapter.
 
-    python tools/engine_map.py            # write book/figures/engine_map_00.svg ... _12.svg
+    python tools/engine_map.py            # write book/figures/engine_map_00.svg ... _13.svg
     python tools/engine_map.py --check    # fail if a committed map differs from a fresh one
 
 One drawing of the engine's data flow (text -> tokenizer -> prompt ids -> scheduler ->
@@ -40,6 +40,7 @@ TITLES = {
     10: "Speculative decoding",
     11: "Structured output",
     12: "Batch invariance",
+    13: "Tensor parallelism",
 }
 
 WIDTH, HEIGHT = 10.0, 5.45  # data units: the layout below is written in them
@@ -98,8 +99,9 @@ HIGHLIGHT[9] = {"text_in", "text_out"}  # and the server box drawn below them
 HIGHLIGHT[10] = set()  # its parts are drawn below the loop
 HIGHLIGHT[11] = set()  # the mask is drawn below the sampling box
 HIGHLIGHT[12] = set()  # the fixed-order model is drawn below it
+HIGHLIGHT[13] = set()  # the model's ranks are drawn below it
 
-# Chapters 10-12 draw their part as a band below the loop: (width, text, gid, arrow to)
+# Chapters 10-13 draw their part as a band below the loop: (width, text, gid, arrow to)
 BANDS = {
     10: (6.60, "draft k tokens → verify in one forward → rejection sampler", "proposer",
          (7.6, ROW_B)),  # drafts from a proposer, verified by the model
@@ -107,6 +109,8 @@ BANDS = {
          (5.95, ROW_B)),  # a grammar's mask on the logits, before sampling
     12: (6.60, "linears in fixed row blocks, attention page by page", "invariant",
          (7.6, ROW_B)),  # the model's sums in a fixed order, whatever the batch
+    13: (6.60, "the model split over N processes: heads, MLP, vocabulary", "ranks",
+         (7.6, ROW_B)),  # every layer's weights split over the ranks
 }
 
 # Chapter 8 marks where each symptom of its troubleshooting table comes from.

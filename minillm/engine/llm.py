@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import features
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput, final_output
 from ..inputs import is_token_ids, unpack_prompt
@@ -24,16 +25,25 @@ def _prompt_list(prompts) -> tuple[list, list]:
     return [p for p, _ in pairs], [shown for _, shown in pairs]
 
 
-def load_for_llm(model, tokenizer, dtype, device, quantization):
+MODEL_LOADERS: dict = {}  # option -> load(path, options, dtype, device, quantization):
+#    a later chapter's way to load a folder when `option` is among LLM's other
+#    keyword arguments (`options`): a model, or None for load_model's way
+
+
+def load_for_llm(model, tokenizer, dtype, device, quantization, options=None):
     """LLM's model and tokenizer: a loaded model as it is, or a folder, a .gguf file
-    or a Hub name loaded (dtype, device and quantization apply only then)."""
+    or a Hub name loaded (dtype, device and quantization apply only then; an option
+    in MODEL_LOADERS may load it its own way)."""
     if not isinstance(model, torch.nn.Module):  # a folder or a Hub name
         from minillm.loader import load_model
         from minillm.sources import resolve_folder
         from minillm.tokenizer import Tokenizer
         path = resolve_folder(model)  # a folder, a .gguf file or a Hub name
-        model = load_model(path, dtype=dtype, device=device,
-                           quantization=quantization)
+        loaded = [load(path, options, dtype, device, quantization)
+                  for name, load in features.registry(MODEL_LOADERS).items()
+                  if name in (options or {})]
+        model = next((m for m in loaded if m is not None), None) or load_model(
+            path, dtype=dtype, device=device, quantization=quantization)
         if tokenizer is None:
             tokenizer = Tokenizer.from_pretrained(path)
     else:  # dtype="auto" asks for nothing a loaded model does not have
@@ -52,11 +62,9 @@ def _vllm_args(dtype, options: dict):
     bfloat16), else the checkpoint's dtype or the device's default (as None).
     enforce_eager (True or False): this engine runs eagerly; True with
     cuda_graphs=True (chapter 7) is a contradiction and refused.
-    tensor_parallel_size: 1 only, as minillm runs on one device.
     trust_remote_code (True or False): no meaning here, so accepted and ignored:
     minillm runs its own model code, never Python from a checkpoint."""
     eager = options.pop("enforce_eager", False)
-    tp = options.pop("tensor_parallel_size", 1)
     remote = options.pop("trust_remote_code", False)
     for name, value in [("enforce_eager", eager), ("trust_remote_code", remote)]:
         if not isinstance(value, bool):
@@ -64,9 +72,6 @@ def _vllm_args(dtype, options: dict):
     if eager and options.get("cuda_graphs"):
         raise ValueError("enforce_eager=True and cuda_graphs=True contradict: "
                          "give one of them")
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp != 1:
-        raise ValueError(f"tensor_parallel_size={tp!r}: minillm runs on one "
-                         "device; use tensor_parallel_size=1")
     return dtype
 
 
@@ -101,15 +106,15 @@ def _forget(engine: LLMEngine, ids: list[str]) -> None:
         engine.pop(rid)
 
 # %% auto #0
-__all__ = ['load_for_llm', 'LLM', 'RequestError', 'TextStream']
+__all__ = ['MODEL_LOADERS', 'load_for_llm', 'LLM', 'RequestError', 'TextStream']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45c-llm
 class LLM:
     """The offline front door, with the names vLLM users know:
     LLM(model_path).generate(prompts, sampling_params) -> one RequestOutput per
     prompt; outputs[0].outputs[0].text is the first prompt's answer. vLLM's
-    dtype="auto", enforce_eager, tensor_parallel_size=1 and trust_remote_code are
-    taken too (_vllm_args says what each means here)."""
+    dtype="auto", enforce_eager and trust_remote_code are taken too (_vllm_args
+    says what each means here); tensor_parallel_size is chapter 13's."""
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
@@ -120,7 +125,7 @@ class LLM:
         _check_seed(seed)
         dtype = _vllm_args(dtype, options)  # dtype="auto", enforce_eager, ...
         model, tokenizer = load_for_llm(model, tokenizer, dtype, device,
-                                        quantization)
+                                        quantization, options)
         self.engine = LLMEngine(model, tokenizer, max_num_seqs, max_num_batched_tokens,
                                 max_model_len, policy, kv_cache,
                                 enable_chunked_prefill, **options)
