@@ -10,14 +10,12 @@ import gc
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -28,6 +26,7 @@ from minillm.parallel.shard import (ShardedTransformer, head_split, load_shard,
                                     local_config, shard_slice, split)
 from minillm.sampling import SamplingParams
 from minillm.sources import real_model
+from test_readme_serve import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "data" / "tiny-shakespeare"  # 8 query heads, 2 KV heads, untied head
@@ -259,11 +258,14 @@ if __name__ == "__main__":
     params = SamplingParams(max_tokens=400, ignore_eos=True)
     {action}
 """
-INTERRUPT = ("threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
-             "    try:\n"
-             "        while True: llm.generate(['ROMEO:'] * 4, params, use_tqdm=False)\n"
-             "    except KeyboardInterrupt:\n"
-             "        print('interrupted', flush=True)")
+INTERRUPT = (  # Python's Ctrl-C handler, even where the shell started us with SIGINT
+    # ignored (a background job): then Python would not install it by itself
+    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+    "    try:\n"
+    "        while True: llm.generate(['ROMEO:'] * 4, params, use_tqdm=False)\n"
+    "    except KeyboardInterrupt:\n"
+    "        print('interrupted', flush=True)")
 FOREVER = "while True: llm.generate(['ROMEO:'] * 4, params, use_tqdm=False)"
 
 
@@ -305,12 +307,6 @@ def test_a_script_without_the_main_guard_gets_told_why(tmp_path):
 
 # --- the server ------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_with_two_ranks_answers_the_openai_client(tmp_path, tiny_one):
     """`python -m minillm serve FOLDER --tensor-parallel-size 2` in its own process:
     the real `openai` client gets the one-process engine's greedy answer, and once
@@ -324,15 +320,7 @@ def test_serve_with_two_ranks_answers_the_openai_client(tmp_path, tiny_one):
         stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_until_healthy(server, url, tmp_path / "server.log", 180)
         children = [int(p) for p in open(f"/proc/{server.pid}/task/{server.pid}/"
                                          "children").read().split()]
         assert children, "a worker process"

@@ -26,6 +26,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(server: subprocess.Popen, url: str, log: Path,
+                       seconds: float = 300) -> None:
+    """Poll the server's /health until it answers 200; fail with its log if the
+    process ends first (or nothing answers in `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert server.poll() is None, log.read_text()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"no answer from {url}/health in {seconds} s:\n"
+                         + log.read_text())
+
+
 def test_the_readmes_server_snippet_prints_what_it_says(tmp_path):
     pytest.importorskip("openai")
     if ms.local_copy(ms.SMOLLM2) is None:
@@ -44,15 +61,7 @@ def test_the_readmes_server_snippet_prints_what_it_says(tmp_path):
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_healthy(server, url, tmp_path / "server.log")
         code = snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                              text=True, env=env, timeout=300)
