@@ -6,6 +6,7 @@ exception in a worker, Ctrl-C in rank 0, or rank 0 killed. Bad arguments are ref
 before any process starts."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -269,29 +270,42 @@ INTERRUPT = (  # Python's Ctrl-C handler, even where the shell started us with S
 FOREVER = "while True: llm.generate(['ROMEO:'] * 4, params, use_tqdm=False)"
 
 
-def run_rank_0(tmp_path, action: str) -> tuple[subprocess.Popen, list[int]]:
+@contextlib.contextmanager
+def rank_0(tmp_path, action: str):
+    """The script above in its own process: yields (process, its workers' pids).
+    Whatever the test finds, nothing it started outlives it (a process that ran on
+    would slow every later test)."""
     script = tmp_path / "rank0.py"
     script.write_text(textwrap.dedent(SCRIPT).format(tiny=str(TINY), action=action))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=ENV, cwd=ROOT)
-    line = proc.stdout.readline()
-    assert line.startswith("workers"), line + proc.stdout.read()
-    return proc, [int(p) for p in line.split()[1:]]
+    pids = []
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("workers"), line + proc.stdout.read()
+        pids = [int(p) for p in line.split()[1:]]
+        yield proc, pids
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_ctrl_c_in_rank_0_leaves_no_worker(tmp_path):
-    proc, pids = run_rank_0(tmp_path, INTERRUPT)
-    out, _ = proc.communicate(timeout=120)
-    assert "interrupted" in out and proc.returncode == 0, out
-    assert gone(pids)
+    with rank_0(tmp_path, INTERRUPT) as (proc, pids):
+        out, _ = proc.communicate(timeout=120)
+        assert "interrupted" in out and proc.returncode == 0, out
+        assert gone(pids)
 
 
 def test_rank_0_killed_leaves_no_worker(tmp_path):
-    proc, pids = run_rank_0(tmp_path, FOREVER)
-    time.sleep(1.5)  # mid-generation
-    proc.kill()
-    proc.wait(timeout=30)
-    assert gone(pids, 30)
+    with rank_0(tmp_path, FOREVER) as (proc, pids):
+        time.sleep(1.5)  # mid-generation
+        proc.kill()
+        proc.wait(timeout=30)
+        assert gone(pids, 30)
 
 
 def test_a_script_without_the_main_guard_gets_told_why(tmp_path):
@@ -333,8 +347,11 @@ def test_serve_with_two_ranks_answers_the_openai_client(tmp_path, tiny_one):
         assert reply.choices[0].text == want
     finally:
         server.send_signal(signal.SIGINT)  # Ctrl-C
-        server.wait(timeout=60)
-        log.close()
+        try:
+            server.wait(timeout=60)
+        finally:
+            server.kill()  # a no-op when it ended
+            log.close()
     assert gone(children)
 
 
