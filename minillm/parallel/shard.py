@@ -174,6 +174,7 @@ def load_shard(path, world: int, rank: int, dtype: torch.dtype,
     """Rank `rank`'s part of a checkpoint, as chapter 2's load_model loads a whole
     one: built on the meta device, then each tensor's slice read into its place."""
     from safetensors import safe_open
+    from tqdm.auto import tqdm
     from minillm import features
     from minillm.loader import QUANTIZATIONS, check_quantization, safetensors_files
     from minillm.sources import resolve_folder
@@ -190,7 +191,9 @@ def load_shard(path, world: int, rank: int, dtype: torch.dtype,
         model.lm_head.weight = model.embed_tokens.weight
     model.rope.reset_tables()
     params, done = dict(model.named_parameters()), set()
-    for file in safetensors_files(folder):
+    files = safetensors_files(folder)
+    for file in tqdm(files, desc=f"loading {folder.name} ({world} shards)", unit="file",
+                     disable=len(files) == 1 or rank > 0):  # rank 0 speaks for all
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
                 name = key.removeprefix("model.")

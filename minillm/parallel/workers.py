@@ -197,15 +197,16 @@ class WorkerGroup:
 
     def send_step(self, input_ids, positions, kv, meta) -> None:
         if kv is not None and kv is not self.kv:
-            raise ValueError("this KV cache is not the engine's: the tensor-parallel "
-                             "workers hold only the engine's cache")
+            raise ValueError("the tensor-parallel workers hold only the KV cache of "
+                             "the engine built with tensor_parallel_size="
+                             f"{len(self.procs) + 1}, not this one")
         self._send(("step", pack_step(input_ids, positions,
                                       None if kv is None else 0, meta)))
 
     def _send(self, message) -> None:
         if self.error is not None:
-            raise RuntimeError("the tensor-parallel workers were stopped "
-                               f"({self.error}); create the engine again")
+            raise RuntimeError(f"tensor-parallel workers stopped ({self.error}); "
+                               "create the engine again")
         dead = [p for p in self.procs if not p.is_alive()]
         if dead:
             raise self.failed(None)
