@@ -20,7 +20,7 @@ from .sources import resolve_folder
 
 # %% auto #0
 __all__ = ['FLOAT_DTYPES', 'DTYPE_RULES', 'QUANTIZATIONS', 'safetensors_files', 'read_safetensors_header', 'resolve_device',
-           'cuda_bf16', 'default_dtype', 'check_quantization', 'load_model']
+           'cuda_bf16', 'default_dtype', 'check_quantization', 'resolve_dtype', 'load_model']
 
 # %% ../chapters/02_naive_loop.ipynb #c026h
 def safetensors_files(folder: Path) -> list[Path]:
@@ -170,23 +170,31 @@ DTYPE_RULES: dict = {}  # device type -> pick(config, device) for dtype="auto"
 #                         (chapter 7 registers "cpu": measure, then choose)
 
 
+def _is_auto(dtype) -> bool:
+    return isinstance(dtype, str) and dtype == "auto"
+
+
+def resolve_dtype(config: ModelConfig, dtype, device: torch.device) -> torch.dtype:
+    """The dtype a model loads in: None gives default_dtype; "auto" the device type's
+    rule in DTYPE_RULES (else default_dtype); a dtype or its name is checked."""
+    if dtype is not None and not _is_auto(dtype):
+        return _check_dtype(dtype, device)
+    rules = features.registry(DTYPE_RULES)  # chapter 7's, on first use
+    pick = rules.get(device.type, default_dtype) if _is_auto(dtype) else default_dtype
+    return _check_dtype(pick(config, device), device)
+
+
 def _load_inputs(path, dtype, device, quantization) -> tuple:
     """load_model's arguments checked, in this order: quantization, device, dtype, the
-    folder, its config and its files. Returns (folder, config, files, device, dtype).
-    dtype None: default_dtype; "auto": the device type's rule, else default_dtype."""
+    folder, its config and its files. Returns (folder, config, files, device, dtype)."""
     check_quantization(quantization)
     device = resolve_device(device)
-    auto = isinstance(dtype, str) and dtype == "auto"
-    if dtype is not None and not auto:
-        dtype = _check_dtype(dtype, device)
+    if dtype is not None and not _is_auto(dtype):
+        dtype = _check_dtype(dtype, device)  # before the folder: a wrong dtype first
     folder = resolve_folder(path)
     config = ModelConfig.from_hf(folder)
     files = safetensors_files(folder)
-    if dtype is None or auto:
-        rules = features.registry(DTYPE_RULES)  # chapter 7's, on first use
-        pick = rules.get(device.type, default_dtype) if auto else default_dtype
-        dtype = _check_dtype(pick(config, device), device)
-    return folder, config, files, device, dtype
+    return folder, config, files, device, resolve_dtype(config, dtype, device)
 
 # %% ../chapters/02_naive_loop.ipynb #c026b
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)  # old checkpoints saved it; we compute it

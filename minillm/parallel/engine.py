@@ -22,18 +22,6 @@ def tensor_parallel_option(value) -> int | None:
     return value if value > 1 else None
 
 
-def _dtype(config: ModelConfig, dtype, device: torch.device) -> torch.dtype:
-    """The dtype every rank loads in, chosen once on rank 0 (load_model's rules)."""
-    from minillm import features
-    from minillm.loader import DTYPE_RULES, default_dtype
-    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
-        rules = features.registry(DTYPE_RULES) if dtype == "auto" else {}
-        return rules.get(device.type, default_dtype)(config, device)
-    name = str(dtype).removeprefix("torch.")
-    if name not in ("float32", "float16", "bfloat16"):
-        raise ValueError(f"dtype={dtype!r}: give float32, float16 or bfloat16")
-    return getattr(torch, name)
-
 # %% auto #0
 __all__ = ['EXCLUDES', 'tensor_parallel_option', 'load_parallel', 'load_for_tp', 'start_tensor_parallel']
 
@@ -42,7 +30,7 @@ def load_parallel(path, world: int, dtype=None, device=None,
                   quantization: str | None = None) -> ShardedTransformer:
     """Rank 0's shard, with the other ranks started (each loads its own shard).
     On a CPU every rank gets an equal share of the cores, rank 0 too."""
-    from minillm.loader import check_quantization, resolve_device
+    from minillm.loader import check_quantization, resolve_device, resolve_dtype
     from minillm.sources import resolve_folder
     world = tensor_parallel_option(world) or 1
     check_quantization(quantization)
@@ -50,7 +38,7 @@ def load_parallel(path, world: int, dtype=None, device=None,
     folder = resolve_folder(path)
     config = ModelConfig.from_hf(folder)
     head_split(config, world, 0)  # enough KV heads for the ranks?
-    dtype = _dtype(config, dtype, device)
+    dtype = resolve_dtype(config, dtype, device)
     threads = max(1, torch.get_num_threads() // world)
     workers = WorkerGroup(folder, world, dtype, device, quantization, threads)
     try:

@@ -144,10 +144,10 @@ class ShardedTransformer(Transformer):
         try:                                                   # on every rank
             return super().forward(input_ids, positions, kv, meta)
         except BaseException as e:
-            error = self.workers.failed(e)  # every rank stopped
-            if error is e:
+            report = self.workers.stop_all(e)  # the ranks are out of step
+            if report is None:  # rank 0's own error (or Ctrl-C), as it is
                 raise
-            raise error from e
+            raise RuntimeError(f"tensor parallelism failed: {report}") from e
 
 # %% ../../chapters/13_tensor_parallel.ipynb #t48-load
 def _local_name(name: str) -> str:

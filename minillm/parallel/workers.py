@@ -209,13 +209,13 @@ class WorkerGroup:
                                "create the engine again")
         dead = [p for p in self.procs if not p.is_alive()]
         if dead:
-            raise self.failed(None)
+            raise RuntimeError(f"tensor parallelism failed: {self.stop_all(None)}")
         for conn in self.conns:
             conn.send(message)
 
-    def failed(self, error: BaseException | None) -> BaseException:
-        """After any failure the ranks are out of step: stop them all. Returns
-        the error to raise: a worker's own, if one reported it."""
+    def stop_all(self, error: BaseException | None) -> str | None:
+        """After any failure the ranks are out of step: stop them all. Returns what
+        the workers said (their errors, or how they ended); None if nothing."""
         reports = []
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), 1):
             p.join(timeout=0.5 if p.is_alive() else 0)
@@ -229,11 +229,10 @@ class WorkerGroup:
             if p.exitcode is not None:
                 reports.append(f"rank {rank} (pid {p.pid}) ended with exit code "
                                f"{p.exitcode}")
-        self.error = "; ".join(reports) or f"rank 0: {error!r:.200}"
+        report = "; ".join(reports) or None
+        self.error = report or f"rank 0: {error!r:.200}"
         self.close()
-        if reports or error is None:
-            return RuntimeError(f"tensor parallelism failed: {self.error}")
-        return error  # rank 0's own (or Ctrl-C): raised as it is
+        return report
 
     def close(self) -> None:
         if self.error is None:
