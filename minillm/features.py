@@ -22,6 +22,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "minillm.kv.base.DEFAULT_KV_CACHE": ("minillm.kv.paged",),           # chapter 6
     "minillm.engine.scheduler.SCHEDULERS": ("minillm.engine.paged_scheduler",),  # 6
     "minillm.engine.config.ENGINE_OPTIONS": ("minillm.engine.graphs",    # chapter 7
+                                             "minillm.fused",            # chapter 7
                                              "minillm.engine.compiled",  # its appendix
                                              "minillm.spec.engine",      # chapter 10
                                              "minillm.structured.engine",  # chapter 11

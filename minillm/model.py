@@ -122,19 +122,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(hidden, self.n_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * d, hidden, bias=config.o_proj_bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+        norm, eps = config.qk_norm, config.rms_norm_eps
+        self.q_norm = RMSNorm(d, eps) if norm else None  # Qwen3 normalises q and k
+        self.k_norm = RMSNorm(d, eps) if norm else None
         self.gqa = self.n_heads != self.n_kv_heads
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x's query, key and value projections."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv=None, meta: StepMeta | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # [B, heads, T, head_dim]

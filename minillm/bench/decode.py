@@ -7,6 +7,7 @@ runs `run_perf_benchmark`; `python -m minillm.bench decode -h` runs it as a comm
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from pathlib import Path
@@ -282,7 +283,8 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
     with torch.compile) and the engine at each batch size: one row per way and batch.
     fast: modes of FAST_MODES to run at batch 1 too (with a bfloat16 row), in turns.
     compile off a GPU: every engine way at batch 1 also with its decode step compiled
-    (compile_decode=True), in the same turns; compile_s is what compiling took.
+    (compile_decode=True), and each fast mode compiled with its projections fused too
+    (fuse_projections=True), in the same turns; compile_s is what compiling took.
     llama_cpp: formats of LLAMA_CPP_KINDS in which llama.cpp runs the same checkpoint
     at batch 1, in the same turns (needs llama-cpp-python and a checkpoint)."""
     from functools import partial
@@ -301,10 +303,10 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
                          f"than the context of {ours.config.context_length}")
     prompt = random_prompt(ours.config.vocab_size, prompt_tokens)
 
-    def engine(m, batch, graphs, compiled=False):
+    def engine(m, batch, graphs, compiled=False, fused=False):
         e = LLMEngine(m, max_num_seqs=batch, kv_cache="paged",
                       max_model_len=prompt_tokens + n, cuda_graphs=graphs,
-                      compile_decode=compiled)
+                      compile_decode=compiled, fuse_projections=fused)
         return partial(engine_run, e, prompt, n, batch, device)
     # --compile off a GPU: each way's decode step compiled too (chapter 7, section 14)
     steps = compile and device.type != "cuda"
@@ -325,6 +327,10 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
         if steps:  # the same model, its decode step compiled
             twin = f"engine, {label}, compiled (ch. 7)"
             held[twin], ways[twin] = held[way], engine(held[way], 1, False, True)
+            # and with its projections stacked (ch. 7): a copy, as fusing is in place
+            fused = f"engine, {label}, fused, compiled (ch. 7)"
+            held[fused] = copy.deepcopy(held[way])
+            ways[fused] = engine(held[fused], 1, False, True, fused=True)
     if llama_cpp:  # the same checkpoint, written as GGUF files; its KV in float16
         folder = bundled_model_path() if model == "bundled" else real_folder(model)
         c = ours.config
