@@ -189,12 +189,15 @@ def _load_inputs(path, dtype, device, quantization) -> tuple:
     folder, its config and its files. Returns (folder, config, files, device, dtype)."""
     check_quantization(quantization)
     device = resolve_device(device)
-    if dtype is not None and not _is_auto(dtype):
-        dtype = _check_dtype(dtype, device)  # before the folder: a wrong dtype first
+    chosen = dtype is not None and not _is_auto(dtype)
+    if chosen:  # checked before the folder is read: a wrong dtype is said first
+        dtype = _check_dtype(dtype, device)
     folder = resolve_folder(path)
     config = ModelConfig.from_hf(folder)
     files = safetensors_files(folder)
-    return folder, config, files, device, resolve_dtype(config, dtype, device)
+    if not chosen:  # the default, or the device's rule: they need the config
+        dtype = resolve_dtype(config, dtype, device)
+    return folder, config, files, device, dtype
 
 # %% ../chapters/02_naive_loop.ipynb #c026b
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)  # old checkpoints saved it; we compute it
