@@ -21,6 +21,7 @@ from .measure import (FAST_MODES, fast_copy, greedy, hardware_name, measure,
 from .results import file_stem, rows_table, write_csvs
 from ..engine import LLMEngine
 from ..engine.graphs import compile_parts
+from ..kv.paged_decode import HEAD_DIMS
 from ..memory import PRESETS
 from ..config import ModelConfig
 from ..loader import load_model
@@ -284,7 +285,8 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
     fast: modes of FAST_MODES to run at batch 1 too (with a bfloat16 row), in turns.
     compile off a GPU: every engine way at batch 1 also with its decode step compiled
     (compile_decode=True), and each fast mode compiled with its projections fused too
-    (fuse_projections=True), in the same turns; compile_s is what compiling took.
+    (fuse_projections=True), fused and with attention_backend="in_place" (where the
+    kernel takes the head size), in the same turns; compile_s is what compiling took.
     llama_cpp: formats of LLAMA_CPP_KINDS in which llama.cpp runs the same checkpoint
     at batch 1, in the same turns (needs llama-cpp-python and a checkpoint)."""
     from functools import partial
@@ -303,10 +305,11 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
                          f"than the context of {ours.config.context_length}")
     prompt = random_prompt(ours.config.vocab_size, prompt_tokens)
 
-    def engine(m, batch, graphs, compiled=False, fused=False):
+    def engine(m, batch, graphs, compiled=False, fused=False, attention=None):
         e = LLMEngine(m, max_num_seqs=batch, kv_cache="paged",
                       max_model_len=prompt_tokens + n, cuda_graphs=graphs,
-                      compile_decode=compiled, fuse_projections=fused)
+                      compile_decode=compiled, fuse_projections=fused,
+                      attention_backend=attention)
         return partial(engine_run, e, prompt, n, batch, device)
     # --compile off a GPU: each way's decode step compiled too (chapter 7, section 14)
     steps = compile and device.type != "cuda"
@@ -331,6 +334,11 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
             fused = f"engine, {label}, fused, compiled (ch. 7)"
             held[fused] = copy.deepcopy(held[way])
             ways[fused] = engine(held[fused], 1, False, True, fused=True)
+            if ours.config.head_dim in HEAD_DIMS:  # and attending the pages in place
+                in_place = f"engine, {label}, fused, in place, compiled (ch. 7)"
+                held[in_place] = held[fused]
+                ways[in_place] = engine(held[fused], 1, False, True, fused=True,
+                                        attention="in_place")
     if llama_cpp:  # the same checkpoint, written as GGUF files; its KV in float16
         folder = bundled_model_path() if model == "bundled" else real_folder(model)
         c = ours.config

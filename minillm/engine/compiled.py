@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 from torch._dynamo.utils import counters
 
+from .. import features
 from .config import register_engine_option
 from .graphs import GraphRunner, _buckets_and_spans, _take_over
 from ..model import StepMeta
@@ -17,7 +19,7 @@ _log = logging.getLogger("minillm")
 
 
 # %% auto #0
-__all__ = ['CompiledRunner', 'enable_compiled_decode', 'compile_decode_option']
+__all__ = ['DECODE_ATTENTION', 'CompiledRunner', 'enable_compiled_decode', 'compile_decode_option', 'attention_backend_option']
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c97w-cstep-h
 def _allow_recompiles() -> None:
@@ -28,6 +30,12 @@ def _allow_recompiles() -> None:
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit,
                                  config.accumulated_recompile_limit)
+
+
+DECODE_ATTENTION: dict[str, Callable] = {"gather": lambda kv: kv}
+"""What a compiled step hands the model as its KV backend, by attention_backend name:
+chapter 6's pool itself (its gather copies each row's context, then PyTorch's
+attention), or what §5 adds. Each is called with the pool."""
 
 
 def _compile_now(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
@@ -51,9 +59,10 @@ class CompiledRunner(GraphRunner):
     inductor's C++ code)."""
 
     def __init__(self, model, kv, buckets: list[int], spans: list[int],
-                 freezing: bool = False):
+                 freezing: bool = False, attention: str = "gather"):
         super().__init__(model, kv, buckets, spans, capture=False)
-        self.freezing = freezing
+        self.freezing, self.attention = freezing, attention
+        self.step_kv = features.registry(DECODE_ATTENTION)[attention](kv)
         self.steps: dict[tuple, object] = {}  # (bucket, span) -> its compiled step
         self.compile_seconds, self.cache_hits = 0.0, 0
         self.compile_report: str | None = None  # what compiling took so far
@@ -67,7 +76,7 @@ class CompiledRunner(GraphRunner):
             meta = StepMeta(positions=positions, logits_index=logits_index,
                             slot_mapping=slot_mapping, block_tables=block_tables,
                             max_context=span)  # a constant: the bucket's span
-            return self.model(ids, positions, kv=self.kv, meta=meta)
+            return self.model(ids, positions, kv=self.step_kv, meta=meta)
         return torch.compile(step, fullgraph=True, dynamic=False, options={
             "freezing": self.freezing, "emulate_precision_casts": True})
 
@@ -81,14 +90,17 @@ class CompiledRunner(GraphRunner):
 # %% ../../chapters/07a_cpu_speed.ipynb #c97z-cstep
 def enable_compiled_decode(engine, buckets: list[int] | None = None,
                            spans: list[int] | None = None, max_graphs: int = 64,
-                           freezing: bool = False) -> CompiledRunner:
+                           freezing: bool = False,
+                           attention: str = "gather") -> CompiledRunner:
     """Make `engine`'s decode steps run one torch.compile'd step per bucket, each
     compiled on its first use; buckets and spans as enable_cuda_graphs chooses them
-    (max_graphs bounds the number of compiled steps)."""
+    (max_graphs bounds the number of compiled steps); `attention`: a name in
+    DECODE_ATTENTION."""
+    attention_backend_option(attention)
     buckets, spans = _buckets_and_spans(engine, buckets, spans, max_graphs)
     old = engine.runner
-    runner = _take_over(CompiledRunner(old.model, old.kv, buckets, spans, freezing),
-                        old)
+    runner = _take_over(CompiledRunner(old.model, old.kv, buckets, spans, freezing,
+                                       attention), old)
     engine.runner = runner
     return runner
 
@@ -100,6 +112,24 @@ def compile_decode_option(on: bool | None) -> bool | None:
     return on or None
 
 
+def attention_backend_option(name: str | None) -> str | None:
+    """LLMEngine(..., attention_backend=name): the compiled step's attention."""
+    backends = features.registry(DECODE_ATTENTION)
+    if name is not None and name not in backends:
+        raise ValueError(f"attention_backend={name!r}: allowed {sorted(backends)}")
+    return name
+
+
+def _compiled_only(engine, name: str) -> None:
+    if engine.config.options.get("compile_decode") is None:
+        raise ValueError(f"attention_backend={name!r} chooses the compiled decode "
+                         "step's attention: add compile_decode=True")
+
+
 register_engine_option("compile_decode", compile_decode_option, order=20,
-                       apply=lambda engine, on: enable_compiled_decode(engine),
+                       apply=lambda engine, on: enable_compiled_decode(
+                           engine, attention=engine.config.options.get(
+                               "attention_backend") or "gather"),
                        excludes=("cuda_graphs",))
+register_engine_option("attention_backend", attention_backend_option, order=19,
+                       apply=_compiled_only)
