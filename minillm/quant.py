@@ -855,12 +855,15 @@ def _int4_target(name: str, linear: nn.Linear, group_size) -> None:
 TARGET_CHECKS["int4"] = _int4_target
 
 
-def quantize_head(model: nn.Module) -> nn.Module:
-    """lm_head in int8 with the fused kernel (PackedInt8Linear), in place. A tied
-    head stops sharing its weight: the embedding stays in float."""
+def quantize_head(model: nn.Module, mode: str = "int8") -> nn.Module:
+    """lm_head in int8 (PackedInt8Linear) or int4 in groups of 32 (Int4Linear), with
+    the fused kernel, in place. A tied head stops sharing its weight: the embedding
+    stays in float."""
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"mode={mode!r}: allowed 'int8' and 'int4'")
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear):
         raise ValueError(f"model.lm_head is {type(head).__name__}, not an nn.Linear: "
                          "is it quantized already?")
-    model.lm_head = PackedInt8Linear.from_linear(head)
+    model.lm_head = MODES[mode].from_linear(head)
     return model

@@ -146,6 +146,22 @@ def test_quantize_int4_and_int8_swap_layers_and_refuse_bad_groups_first(tiny):
         quantize_head(model)
 
 
+def test_the_head_in_int4_and_a_bad_mode(tiny):
+    model = copy.deepcopy(tiny).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"mode='int2': allowed 'int8' and 'int4'"):
+        quantize_head(model, "int2")
+    assert isinstance(model.lm_head, nn.Linear)  # refused before any change
+    ids = torch.tensor([[3, 7, 11, 2]])
+    positions = torch.arange(4)[None]
+    with torch.no_grad():
+        before = model(ids, positions)
+        quantize_head(model, "int4")
+        after = model(ids, positions)
+    assert isinstance(model.lm_head, Int4Linear)
+    assert model.lm_head.weight.nbytes < model.embed_tokens.weight.nbytes / 3
+    assert 0 < (after - before).abs().max() < 0.2 * before.abs().max()
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantize_on_load_gives_the_same_layers_as_quantize(tiny, mode):
     loaded = load_model(TINY, dtype=torch.bfloat16, quantization=mode)
