@@ -28,7 +28,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
                                              "minillm.structured.engine",  # chapter 11
                                              "minillm.invariant.engine",  # chapter 12
                                              "minillm.parallel.engine"),  # chapter 13
-    "minillm.engine.compiled.DECODE_ATTENTION": ("minillm.kv.paged_decode",),  # 7
+    "minillm.engine.compiled.DECODE_ATTENTION": ("minillm.paged_decode",),  # 7
     "minillm.engine.llm.MODEL_LOADERS": ("minillm.parallel.engine",),     # chapter 13
     "minillm.serve.protocol.REQUEST_FIELDS": ("minillm.structured.serve",),  # ch. 11
     "minillm.serve.async_engine.REQUEST_PREPARERS": ("minillm.structured.serve",),

@@ -1,4 +1,4 @@
-"""minillm.kv.paged_decode (chapter 7's appendix, §5): decode attention that reads the
+"""minillm.paged_decode (chapter 7's appendix, §5): decode attention that reads the
 paged pool in place. The page-by-page reference and the C++ kernel give gather +
 PyTorch's attention; the kernel checks every read before it starts; the engine's
 attention_backend="in_place" gives the gather path's greedy tokens in float32."""
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers import drive, make_model_pair
 from minillm.engine import LLMEngine
 from minillm.engine.compiled import CompiledRunner
-from minillm.kv.paged_decode import PagesInPlace, attend_pages, paged_decode
+from minillm.paged_decode import PagesInPlace, attend_pages, paged_decode
 from minillm.sampling import SamplingParams
 
 torch.set_num_threads(2)

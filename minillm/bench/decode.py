@@ -21,7 +21,7 @@ from .measure import (FAST_MODES, fast_copy, greedy, hardware_name, measure,
 from .results import file_stem, rows_table, write_csvs
 from ..engine import LLMEngine
 from ..engine.graphs import compile_parts
-from ..kv.paged_decode import HEAD_DIMS
+from ..paged_decode import HEAD_DIMS
 from ..memory import PRESETS
 from ..config import ModelConfig
 from ..loader import load_model
