@@ -15,7 +15,9 @@ import sys
 # registry (the dict's module and name) -> the modules that fill it, in this order
 FEATURES: dict[str, tuple[str, ...]] = {
     "minillm.sampling.SAMPLING_FIELDS": ("minillm.structured.params",),  # chapter 11
-    "minillm.loader.QUANTIZATIONS": ("minillm.quant",),                  # chapter 5
+    "minillm.loader.QUANTIZATIONS": ("minillm.quant",                    # chapter 5
+                                     "minillm.w8a8_cpu"),                # chapter 7
+    "minillm.quant.MODES": ("minillm.w8a8_cpu",),                        # chapter 7
     "minillm.loader.DTYPE_RULES": ("minillm.dtype_auto",),               # chapter 7
     "minillm.kv.base.KV_BACKENDS": ("minillm.kv.slots",                  # chapter 4
                                     "minillm.kv.paged"),                 # chapter 6

@@ -123,7 +123,8 @@ def transformers_method(hf_model) -> Method:
     return Method("transformers generate()", hf_model, run)
 
 
-FAST_MODES = ("int8", "int4")  # chapter 5's fused kernels, head in int8, bfloat16
+FAST_MODES = ("int8", "int4", "int8-a8")  # chapter 5's fused kernels (and chapter 7's
+# appendix, §6: int8 with activations in blocks of 32), head in int8, bfloat16
 
 
 def fast_copy(model, mode: str | None):
