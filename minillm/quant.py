@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import features
+from .features import registry
 from .loader import QUANTIZATIONS
 
 # %% auto #0
@@ -346,7 +346,7 @@ TARGET_CHECKS: dict = {}  # mode -> check(name, linear, group_size), raises Valu
 def quantize_targets(model, mode: str, group_size, skip) -> list[tuple[str, nn.Module]]:
     """quantize's checks, all before any layer changes; returns the (name, layer)
     pairs to swap."""
-    if not isinstance(mode, str) or mode not in features.registry(MODES):
+    if not isinstance(mode, str) or mode not in registry(MODES):
         raise ValueError(f"mode={mode!r}: give one of {sorted(MODES)}")
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: give a torch.nn.Module, got {type(model).__name__}")

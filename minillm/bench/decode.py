@@ -282,7 +282,8 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
                        llama_cpp: tuple = ()) -> list[dict]:
     """Decode at batch 1 (transformers, chapter 3's loop, the engine eager, with graphs,
     with torch.compile) and the engine at each batch size: one row per way and batch.
-    fast: modes of FAST_MODES to run at batch 1 too (with a bfloat16 row), in turns.
+    fast: modes of FAST_MODES to run too (with a bfloat16 row), in turns; at the
+    larger batches each eagerly and (with compile) fused, in place and compiled.
     compile off a GPU: every engine way at batch 1 also with its decode step compiled
     (compile_decode=True), and each fast mode compiled with its projections fused too
     (fuse_projections=True), fused and with attention_backend="in_place" (where the
@@ -294,7 +295,7 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
     from minillm.utils import pick_device
     check_perf_args(model, dtype, prompt_tokens, new_tokens, batches, repeats)
     if not set(fast) <= set(FAST_MODES):
-        raise ValueError(f"fast={fast!r}: allowed modes {FAST_MODES}")
+        raise ValueError(f"fast={fast!r}: allowed modes {tuple(FAST_MODES)}")
     check_llama_cpp(model, llama_cpp)
     device = pick_device(device)
     dtype = dtype or ("float16" if device.type == "cuda" else "float32")
@@ -322,11 +323,14 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
     if steps:
         ways[COMPILED] = engine(ours, 1, False, True)
     held = {}  # way -> its own model (the bytes it reads differ)
+    again = {}  # the fast ways also run at the larger batches: way -> engine settings
     for mode in ([None, *fast] if fast else []):  # chapter 5's fast modes
         label = "bfloat16" if mode is None else f"{mode} + int8 head"
-        way = f"engine, {label}{'' if mode is None else ', bfloat16'} (ch. 5)"
+        where = "ch. 5" if mode is None else FAST_MODES[mode]
+        way = f"engine, {label}{'' if mode is None else ', bfloat16'} ({where})"
         held[way] = fast_copy(ours, mode)
         ways[way] = engine(held[way], 1, False)
+        again[way] = (held[way], False, False, None)
         if steps:  # the same model, its decode step compiled
             twin = f"engine, {label}, compiled (ch. 7)"
             held[twin], ways[twin] = held[way], engine(held[way], 1, False, True)
@@ -339,6 +343,7 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
                 held[in_place] = held[fused]
                 ways[in_place] = engine(held[fused], 1, False, True, fused=True,
                                         attention="in_place")
+                again[in_place] = (held[fused], True, True, "in_place")
     if llama_cpp:  # the same checkpoint, written as GGUF files; its KV in float16
         folder = bundled_model_path() if model == "bundled" else real_folder(model)
         c = ours.config
@@ -353,6 +358,8 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
         torch.cuda.empty_cache()
     for batch in [b for b in batches if b != 1]:
         ways = {eager: engine(ours, batch, False), graphs: engine(ours, batch, True)}
+        ways.update({way: engine(m, batch, False, compiled, fused, attention)
+                     for way, (m, compiled, fused, attention) in again.items()})
         rows += [{"batch": batch, **r} for r in round_robin(ways, repeats)]
     if compile:
         compile_parts(ours)
@@ -455,9 +462,10 @@ def decode_parser() -> argparse.ArgumentParser:
                         help="also the engine + graphs with torch.compile; off a GPU "
                         "also each engine way's decode step compiled (chapter 7, "
                         "section 14), e.g. --compile --fast int8 int4")
-    parser.add_argument("--fast", nargs="+", default=[], choices=FAST_MODES,
-                        help="also chapter 5's fused-kernel modes at batch 1 (with "
-                        "bfloat16 activations and an int8 LM head), e.g. --fast int8 int4")
+    parser.add_argument("--fast", nargs="+", default=[], choices=tuple(FAST_MODES),
+                        help="also the fast modes at batch 1 (chapter 5's int8 and int4, "
+                        "chapter 7's int8-a8; bfloat16 activations, an int8 LM head), "
+                        "e.g. --fast int8 int4 int8-a8")
     parser.add_argument("--llama-cpp", nargs="+", default=[], choices=LLAMA_CPP_KINDS,
                         help="also llama.cpp on the same checkpoint in these formats, "
                         "in the same turns (needs pip install llama-cpp-python), e.g. "

@@ -123,8 +123,9 @@ def transformers_method(hf_model) -> Method:
     return Method("transformers generate()", hf_model, run)
 
 
-FAST_MODES = ("int8", "int4", "int8-a8")  # chapter 5's fused kernels (and chapter 7's
-# appendix, §6: int8 with activations in blocks of 32), head in int8, bfloat16
+# the fast modes (their layers' kernels fused; head in int8; bfloat16) -> their chapter
+FAST_MODES = {"int8": "ch. 5", "int4": "ch. 5",
+              "int8-a8": "ch. 7"}  # the appendix's §6: activations in blocks of 32
 
 
 def fast_copy(model, mode: str | None):
