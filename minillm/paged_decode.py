@@ -55,7 +55,6 @@ void chunk(const float* qf, const T* k, const T* v, const int64_t* table, int64_
            int64_t h, int64_t bs, int64_t t0, int64_t t1, int64_t G, float* s,
            float* m, float* l, float* acc) {
   float row[D];
-  for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY, l[g] = 0.f;
   for (int64_t t = t0; t < t1; ++t) {  // scores: each K row read once, used G times
     const T* kr = k + ((table[t / bs] * bs + t % bs) * KVH + h) * D;
     for (int e = 0; e < D; ++e) row[e] = float(kr[e]);
@@ -63,18 +62,21 @@ void chunk(const float* qf, const T* k, const T* v, const int64_t* table, int64_
       float dot = 0.f;
       for (int e = 0; e < D; ++e) dot += qf[g * D + e] * row[e];
       s[g * CHUNK + t - t0] = dot;
-      m[g] = std::max(m[g], dot);
     }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // m, weights p = exp(s - m), l: 16 at a time
+    float* sg = s + g * CHUNK;
+    float mg = -INFINITY, lg = 0.f;
+    for (int64_t t = 0; t < t1 - t0; ++t) mg = std::max(mg, sg[t]);
+    for (int64_t t = 0; t < t1 - t0; ++t) lg += sg[t] = std::exp(sg[t] - mg);
+    m[g] = mg, l[g] = lg;
   }
   for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
   for (int64_t t = t0; t < t1; ++t) {  // values: each V row read once
     const T* vr = v + ((table[t / bs] * bs + t % bs) * KVH + h) * D;
     for (int e = 0; e < D; ++e) row[e] = float(vr[e]);
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = std::exp(s[g * CHUNK + t - t0] - m[g]);
-      l[g] += p;
-      for (int e = 0; e < D; ++e) acc[g * D + e] += p * row[e];
-    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int e = 0; e < D; ++e) acc[g * D + e] += s[g * CHUNK + t - t0] * row[e];
   }
 }
 """
@@ -122,8 +124,7 @@ void decode(const T* q, const T* k, const T* v, const int64_t* table,
 # %% ../chapters/07a_cpu_speed.ipynb #c99k-pages-build
 PAGED_DECODE_OP = r"""
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                           torch::Tensor table, torch::Tensor lens, int64_t bs,
-                           double scale) {
+                           torch::Tensor table, torch::Tensor lens, int64_t bs) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() &&
               k.is_contiguous() && v.is_contiguous() && q.size(2) == k.size(2) &&
               q.size(1) % k.size(1) == 0 && q.scalar_type() == k.scalar_type() &&
@@ -150,10 +151,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v,
              : D == 128 ? decode<scalar_t, 128> : nullptr;
     TORCH_CHECK(run, "paged_decode: head_dim ", D, "; this kernel takes 32, 64, 128");
     run(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), t, n,
-        out.data_ptr<scalar_t>(), B, H, KVH, W, bs, (float)scale);
+        out.data_ptr<scalar_t>(), B, H, KVH, W, bs, 1.f / std::sqrt(float(D)));
   });
   return out;
 }
+// minillm::paged_decode on CPU tensors: this function, called with no Python between
+TORCH_LIBRARY_IMPL(minillm, CPU, m) { m.impl("paged_decode", &paged_decode); }
 """
 HEAD_DIMS = (32, 64, 128)  # the head sizes the kernel is built for
 
@@ -161,7 +164,8 @@ HEAD_DIMS = (32, 64, 128)  # the head sizes the kernel is built for
 @functools.cache
 def kernel():
     """The C++ above, built once per machine with the compiler torch.compile uses
-    (PyTorch keeps the build; a later process loads it in a second or so)."""
+    (PyTorch keeps the build; a later process loads it in a second or so). Loading
+    it makes it the CPU kernel of the operator minillm::paged_decode."""
     _log.info("building the paged decode kernel (once per machine, ~30 s)")
     start = time.perf_counter()
     module = load_inline(
@@ -175,17 +179,25 @@ def kernel():
     return module
 
 
+def _pages_in_pytorch(q, k_pool, v_pool, block_tables, lengths, block_size):
+    """The operator where the kernel is not loaded (or not on a CPU): attend_pages
+    for each row."""
+    return torch.stack([attend_pages(q[b], k_pool, v_pool, block_tables[b].tolist(),
+                                     int(lengths[b]), block_size)
+                        for b in range(q.shape[0])])
+
+
 def _define_op() -> None:
-    """minillm::paged_decode: the kernel as a PyTorch operator, which torch.compile
-    calls as it is (the fake tells it the output's shape: q's)."""
-    @torch.library.custom_op("minillm::paged_decode", mutates_args=(),
-                             device_types="cpu")
-    def op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-           block_tables: torch.Tensor, lengths: torch.Tensor,
-           block_size: int) -> torch.Tensor:
-        return kernel().paged_decode(q, k_pool, v_pool, block_tables, lengths,
-                                     block_size, q.shape[-1] ** -0.5)
-    op.register_fake(lambda q, *_: torch.empty_like(q))
+    """minillm::paged_decode, a PyTorch operator that torch.compile calls as it is:
+    the kernel above on a CPU (once loaded), else attend_pages per row; the fake
+    gives the output's shape (q's)."""
+    torch.library.define("minillm::paged_decode", "(Tensor q, Tensor k_pool, Tensor "
+                         "v_pool, Tensor block_tables, Tensor lengths, int block_size)"
+                         " -> Tensor")
+    torch.library.impl("minillm::paged_decode", "CompositeExplicitAutograd",
+                       _pages_in_pytorch)
+    torch.library.register_fake("minillm::paged_decode",
+                                lambda q, *_: torch.empty_like(q))
 
 
 if not hasattr(torch.ops.minillm, "paged_decode"):  # once per process (a notebook
@@ -196,6 +208,7 @@ def paged_decode(q, k_pool, v_pool, block_tables, lengths,
                  block_size: int) -> torch.Tensor:
     """Each row's new token, q [rows, heads, d], over its first lengths[row]
     positions, read through its block table from the pools [slots, kv_heads, d]."""
+    kernel()  # loaded once: from then on the operator's CPU kernel
     return torch.ops.minillm.paged_decode(q, k_pool, v_pool, block_tables, lengths,
                                           block_size)
 
@@ -218,9 +231,9 @@ class PagesInPlace:
     def attend(self, layer_idx, q, k, v, meta):
         """q, k, v [rows, heads, 1, d]: one new token per row (a decode step)."""
         self.kv.store(layer_idx, k, v, meta.slot_mapping)
-        out = paged_decode(q[:, :, 0], self.kv.k[layer_idx], self.kv.v[layer_idx],
-                           meta.block_tables, meta.positions[:, -1] + 1,
-                           self.kv.block_size)
+        out = torch.ops.minillm.paged_decode(  # the kernel: __init__ loaded it
+            q[:, :, 0], self.kv.k[layer_idx], self.kv.v[layer_idx], meta.block_tables,
+            meta.positions[:, -1] + 1, self.kv.block_size)
         return out[:, :, None]
 
 

@@ -61,19 +61,25 @@ def test_fused_modes_compile_frozen_to_the_eager_tokens(llama, mode):
         assert ids == serve(fast, False)[0]
 
 
-def test_another_model_of_the_same_shape_reuses_the_code_with_its_own_weights(llama):
-    # torch.compile passes the weights to the compiled code as inputs: a second model
-    # of the same shapes needs no compile, and its tokens are its own.
+def test_another_model_of_the_same_shape_compiles_its_own_step(llama):
+    # Each step has its own code object (its guards on the modules are skipped): a
+    # second model of the same shapes gets its own compiled step, from inductor's
+    # on-disk cache, and its tokens are its own.
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     _, model = llama
     other = copy.deepcopy(model)
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(-1.5)
-    first, _ = serve(model, True)
-    second, runner = serve(other, True)
+    first, runner1 = serve(model, True)
+    second, runner2 = serve(other, True)
     assert first == serve(model, False)[0]
     assert second == serve(other, False)[0] and second != first
-    assert runner.compile_seconds < 1  # nothing compiled: guards passed, code reused
+    assert runner2.cache_hits == 1  # its C++ came from the disk
+    codes = [r.steps[(4, 64)]._torchdynamo_orig_callable.__code__
+             for r in (runner1, runner2)]
+    assert codes[0] is not codes[1] and codes[0].co_name == "decode_step_4x64"
+    assert [len(_debug_get_cache_entry_list(c)) for c in codes] == [1, 1]
 
 
 SECOND_PROCESS = """

@@ -54,6 +54,20 @@ def test_the_kernel_gives_the_reference_on_rows_of_any_length(d, kv_heads, G):
         assert torch.allclose(out[i], want, atol=1e-5), (n, (out[i] - want).abs().max())
 
 
+def test_the_operator_runs_the_cpu_kernel_and_pytorch_elsewhere():
+    # paged_decode loads the kernel: the operator's CPU kernel, in C++. Its PyTorch
+    # body (attend_pages per row) is what runs where the kernel is not registered.
+    from minillm.paged_decode import _pages_in_pytorch
+    torch.manual_seed(1)
+    k, v = pool(16, 8, 3, 64)
+    q, tables = torch.randn(2, 9, 64), torch.stack([torch.randperm(16) for _ in "ab"])
+    lengths = torch.tensor([5, 77])
+    out = paged_decode(q, k, v, tables, lengths, 8)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("minillm::paged_decode", "CPU")
+    body = _pages_in_pytorch(q, k, v, tables, lengths, 8)
+    assert torch.allclose(out, body, atol=1e-5) and not torch.equal(out, body)
+
+
 def test_the_kernel_in_bfloat16_rounds_once():
     torch.manual_seed(0)
     k, v = pool(32, 16, 3, 64, torch.bfloat16)

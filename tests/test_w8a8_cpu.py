@@ -140,3 +140,15 @@ def test_the_compiled_engine_calls_the_operator_in_its_step():
     while engine.has_unfinished():
         engine.step()
     assert len(engine.pop(rid).output_ids) == 6
+
+
+def test_the_benchmarks_run_the_mode_in_float32_with_its_head_too():
+    from minillm.bench.measure import FAST_MODES, fast_copy
+    model = load_model(bundled_model_path())
+    fast = fast_copy(model, "int8-a8")
+    assert isinstance(fast.lm_head, Int8A8Linear)  # the head in the mode too
+    assert fast.norm.weight.dtype == torch.float32  # no casts around the kernel
+    assert FAST_MODES["int8-a8"].label("int8-a8") == "int8-a8, head too"
+    int8 = fast_copy(model, "int8")  # chapter 5's modes as before
+    assert int8.norm.weight.dtype == torch.bfloat16
+    assert type(int8.lm_head).__name__ == "PackedInt8Linear"

@@ -282,7 +282,8 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
                        llama_cpp: tuple = ()) -> list[dict]:
     """Decode at batch 1 (transformers, chapter 3's loop, the engine eager, with graphs,
     with torch.compile) and the engine at each batch size: one row per way and batch.
-    fast: modes of FAST_MODES to run too (with a bfloat16 row), in turns; at the
+    fast: modes of FAST_MODES to run too (with a bfloat16 row), in turns, each in
+    FAST_MODES's dtype and with its head; at the
     larger batches each eagerly and (with compile) fused, in place and compiled.
     compile off a GPU: every engine way at batch 1 also with its decode step compiled
     (compile_decode=True), and each fast mode compiled with its projections fused too
@@ -325,9 +326,10 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
     held = {}  # way -> its own model (the bytes it reads differ)
     again = {}  # the fast ways also run at the larger batches: way -> engine settings
     for mode in ([None, *fast] if fast else []):  # chapter 5's fast modes
-        label = "bfloat16" if mode is None else f"{mode} + int8 head"
-        where = "ch. 5" if mode is None else FAST_MODES[mode]
-        way = f"engine, {label}{'' if mode is None else ', bfloat16'} ({where})"
+        label = "bfloat16" if mode is None else FAST_MODES[mode].label(mode)
+        where = "ch. 5" if mode is None else FAST_MODES[mode].chapter
+        dtype_ = "" if mode is None else f", {str(FAST_MODES[mode].dtype)[6:]}"
+        way = f"engine, {label}{dtype_} ({where})"
         held[way] = fast_copy(ours, mode)
         ways[way] = engine(held[way], 1, False)
         again[way] = (held[way], False, False, None)
@@ -463,9 +465,9 @@ def decode_parser() -> argparse.ArgumentParser:
                         "also each engine way's decode step compiled (chapter 7, "
                         "section 14), e.g. --compile --fast int8 int4")
     parser.add_argument("--fast", nargs="+", default=[], choices=tuple(FAST_MODES),
-                        help="also the fast modes at batch 1 (chapter 5's int8 and int4, "
-                        "chapter 7's int8-a8; bfloat16 activations, an int8 LM head), "
-                        "e.g. --fast int8 int4 int8-a8")
+                        help="also the fast modes, at every batch size (chapter 5's "
+                        "int8 and int4 with an int8 LM head in bfloat16; chapter 7's "
+                        "int8-a8, its head too, in float32), e.g. --fast int8 int4 int8-a8")
     parser.add_argument("--llama-cpp", nargs="+", default=[], choices=LLAMA_CPP_KINDS,
                         help="also llama.cpp on the same checkpoint in these formats, "
                         "in the same turns (needs pip install llama-cpp-python), e.g. "

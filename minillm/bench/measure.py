@@ -23,7 +23,7 @@ from ..sampling import SamplingParams
 from ..utils import synchronize
 
 __all__ = ["hardware_name", "StepClock", "Method", "greedy", "minillm_methods",
-           "FAST_MODES", "fast_copy",
+           "FastMode", "FAST_MODES", "fast_copy",
            "transformers_method", "weight_nbytes", "Measurement", "memory_kind",
            "measure", "random_prompt", "check_counts", "check_fits"]
 
@@ -123,18 +123,36 @@ def transformers_method(hf_model) -> Method:
     return Method("transformers generate()", hf_model, run)
 
 
-# the fast modes (their layers' kernels fused; head in int8; bfloat16) -> their chapter
-FAST_MODES = {"int8": "ch. 5", "int4": "ch. 5",
-              "int8-a8": "ch. 7"}  # the appendix's §6: activations in blocks of 32
+@dataclass(frozen=True)
+class FastMode:
+    """How the benchmarks run one of the fast modes: the chapter that builds it, the
+    dtype of the model around its layers, and its LM head: quantize_head's mode, or
+    None for the head in the mode itself."""
+    chapter: str
+    dtype: torch.dtype = torch.bfloat16
+    head: str | None = "int8"
+
+    def label(self, mode: str) -> str:
+        return f"{mode} + {self.head} head" if self.head else f"{mode}, head too"
+
+
+FAST_MODES = {"int8": FastMode("ch. 5"), "int4": FastMode("ch. 5"),
+              # the appendix's section 6: activations in blocks of 32. Its kernel reads
+              # float32 and multiplies the head fastest too: a float32 model, no casts
+              "int8-a8": FastMode("ch. 7", torch.float32, None)}
 
 
 def fast_copy(model, mode: str | None):
-    """A bfloat16 copy of the model; with a mode, its linear layers in that mode
-    (chapter 5's fused kernels) and its LM head in int8."""
-    fast = copy.deepcopy(model).to(torch.bfloat16)
-    if mode is not None:
-        quantize_head(quantize(fast, mode))
-    return fast
+    """A copy of the model: without a mode in bfloat16; with one, in its FAST_MODES
+    dtype, its linear layers in that mode (chapter 5's fused kernels) and its LM head
+    as FAST_MODES says."""
+    fast = FAST_MODES.get(mode, FastMode("ch. 5"))
+    copied = copy.deepcopy(model).to(fast.dtype)
+    if mode is None:
+        return copied
+    if fast.head is None:
+        return quantize(copied, mode, skip=())
+    return quantize_head(quantize(copied, mode), fast.head)
 
 
 def weight_nbytes(module: torch.nn.Module) -> int:

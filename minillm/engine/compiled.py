@@ -22,14 +22,12 @@ _log = logging.getLogger("minillm")
 __all__ = ['DECODE_ATTENTION', 'CompiledRunner', 'enable_compiled_decode', 'compile_decode_option', 'attention_backend_option']
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c97w-cstep-h
-def _allow_recompiles() -> None:
-    """Every compiled step is one more version of one Python function (`step` below,
-    for every bucket of every engine in this process). torch.compile keeps 8 versions
-    of a function by default, then runs it eagerly: allow as many as it allows in
-    all."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit,
-                                 config.accumulated_recompile_limit)
+def _own_code(fn, name: str):
+    """fn with a copy of its code object, named `name`. torch.compile keeps its compiled
+    versions on the code object: each step has its own, so a call checks the guards
+    of its one version, not of every bucket's and every engine's."""
+    fn.__code__ = fn.__code__.replace(co_name=name)
+    return fn
 
 
 DECODE_ATTENTION: dict[str, Callable] = {"gather": lambda kv: kv}
@@ -66,7 +64,6 @@ class CompiledRunner(GraphRunner):
         self.steps: dict[tuple, object] = {}  # (bucket, span) -> its compiled step
         self.compile_seconds, self.cache_hits = 0.0, 0
         self.compile_report: str | None = None  # what compiling took so far
-        _allow_recompiles()
 
     def compiled_step(self, key: tuple[int, int]):
         """One bucket's decode forward as a function of its buffers, compiled."""
@@ -77,8 +74,10 @@ class CompiledRunner(GraphRunner):
                             slot_mapping=slot_mapping, block_tables=block_tables,
                             max_context=span)  # a constant: the bucket's span
             return self.model(ids, positions, kv=self.step_kv, meta=meta)
+        step = _own_code(step, f"decode_step_{key[0]}x{key[1]}")
         return torch.compile(step, fullgraph=True, dynamic=False, options={
-            "freezing": self.freezing, "emulate_precision_casts": True})
+            "freezing": self.freezing, "emulate_precision_casts": True,
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     def forward_step(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
         if key not in self.steps:
