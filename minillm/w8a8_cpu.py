@@ -13,7 +13,8 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from .loader import QUANTIZATIONS
-from .quant import MODES, ON_LOAD, TARGET_CHECKS, PackedInt8Linear
+from .quant import (GROUPED_MODES, MODES, ON_LOAD, TARGET_CHECKS,
+                           PackedInt8Linear)
 from .quant import int8_layers_on_meta
 
 _log = logging.getLogger("minillm")
@@ -23,14 +24,16 @@ __all__ = ['INT8_A8_QUANTIZE', 'INT8_A8_DOT', 'INT8_A8_OP', 'blockwise_linear', 
 
 # %% ../chapters/07a_cpu_speed.ipynb #c9ag-a8
 def blockwise_linear(x, w, scale, block: int = 32) -> torch.Tensor:
-    """x [rows, K] times chapter 5's int8 weight w [N, K] (scales [N]), with x's
-    blocks of `block` values quantized to int8 on their own: [rows, N] float32."""
+    """x [rows, K] times chapter 5's int8 weight w [N, K] (scales [N], or [N, K/block]
+    for a scale per block of weights too), with x's blocks of `block` values quantized
+    to int8 on their own: [rows, N] float32."""
     xb = x.float().reshape(x.shape[0], -1, block)  # [rows, blocks, block]
     sx = xb.abs().amax(-1, keepdim=True) / 127  # a scale per block
     qx = torch.where(sx > 0, (xb / sx).round(), torch.zeros_like(xb))
     wb = w.float().reshape(w.shape[0], -1, block)  # [N, blocks, block]
     dots = torch.einsum("rbi,nbi->rnb", qx, wb)  # integers: exact in float32
-    return (dots * sx.squeeze(-1)[:, None, :]).sum(-1) * scale.float().view(1, -1)
+    sw = scale.float().reshape(w.shape[0], -1)  # [N, 1] or [N, blocks]
+    return (dots * sx.squeeze(-1)[:, None, :] * sw).sum(-1)
 
 # %% ../chapters/07a_cpu_speed.ipynb #c9ai-a8-cpp
 INT8_A8_QUANTIZE = r"""
@@ -59,10 +62,13 @@ float quantize_row(const float* x, int64_t K, int8_t* q, float* sv) {
 INT8_A8_DOT = r"""
 constexpr int R = 4;  // activation rows served by each weight load
 
-// Outputs n0..n1 of rows m0..m0+r-1 (r <= R): y = sw * (sum_b s_b (w+128).q - offset)
-void dot_rows(const int8_t* q, const float* sv, const float* offset, const int8_t* w,
-              const float* sw, float* y, int64_t K, int64_t N, int64_t m0, int r,
-              int64_t n0, int64_t n1) {
+// Outputs n0..n1 of rows m0..m0+r-1 (r <= R). A scale per output (sw [N]): y = sw *
+// (sum_b s_b (w+128).q - offset). Blocks: a scale per 32 weights too (sw [N, K/32]);
+// each lane's sum is made signed first (qs: 128 * the sum of its four q's).
+template <bool Blocks>
+void dot_rows(const int8_t* q, const float* sv, const float* offset, const __m512i* qs,
+              const int8_t* w, const float* sw, float* y, int64_t K, int64_t N,
+              int64_t m0, int r, int64_t n0, int64_t n1) {
   const int64_t C = K / 64;  // 64 bytes per instruction
   const __m512i flip = _mm512_set1_epi8((char)0x80);  // w XOR 0x80 = w + 128
   for (int64_t n = n0; n < n1; ++n) {
@@ -70,16 +76,21 @@ void dot_rows(const int8_t* q, const float* sv, const float* offset, const int8_
     for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < C; ++c) {
       const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w + n * K + c * 64), flip);
+      const float* s2 = Blocks ? sw + n * (K / 32) + 2 * c : sw;  // this row's two
+      const __m512 ws = Blocks ? _mm512_insertf32x8(  // block scales, over 16 lanes
+          _mm512_set1_ps(s2[0]), _mm256_set1_ps(s2[1]), 1) : _mm512_setzero_ps();
       for (int i = 0; i < r; ++i) {
         const int64_t m = m0 + i;
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu,
-                                              _mm512_loadu_si512(q + m * K + c * 64));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),  // exact: |d| < 2**24
-                                 _mm512_loadu_ps(sv + (m * C + c) * 16), acc[i]);
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu,
+                                        _mm512_loadu_si512(q + m * K + c * 64));
+        __m512 s = _mm512_loadu_ps(sv + (m * C + c) * 16);
+        if (Blocks) d = _mm512_sub_epi32(d, qs[m * C + c]), s = _mm512_mul_ps(s, ws);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[i]);  // d: exact
       }
     }
     for (int i = 0; i < r; ++i)
-      y[(m0 + i) * N + n] = (_mm512_reduce_add_ps(acc[i]) - offset[m0 + i]) * sw[n];
+      y[(m0 + i) * N + n] = Blocks ? _mm512_reduce_add_ps(acc[i])
+          : (_mm512_reduce_add_ps(acc[i]) - offset[m0 + i]) * sw[n];
   }
 }
 """
@@ -90,26 +101,34 @@ INT8_A8_OP = r"""
 torch::Tensor int8_a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor sw) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) &&
               w.size(1) % 64 == 0 && w.scalar_type() == torch::kInt8 &&
-              w.is_contiguous() && sw.numel() == w.size(0), "int8_a8_linear: x [rows, "
-              "K], int8 w [N, K] (K a multiple of 64) and a scale per output");
+              w.is_contiguous() && (sw.numel() == w.size(0) || sw.numel() == w.size(0)
+              * (w.size(1) / 32)), "int8_a8_linear: x [rows, K], int8 w [N, K] (K a "
+              "multiple of 64) and a scale per output, or per 32 weights");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), C = K / 64;
+  const bool blocks = sw.numel() != N;
   auto xf = x.to(torch::kFloat).contiguous();
   auto swf = sw.to(torch::kFloat).contiguous();
   std::vector<int8_t> q(M * K);
   std::vector<float> sv(M * C * 16), offset(M);
+  std::vector<__m512i> qs(blocks ? M * C : 0);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
+    for (int64_t m = m0; m < m1; ++m) {
       offset[m] = quantize_row(xf.data_ptr<float>() + m * K, K, q.data() + m * K,
                                sv.data() + m * C * 16);
+      for (int64_t c = 0; blocks && c < C; ++c)  // 128 * each lane's four q's
+        qs[m * C + c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(
+            (char)0x80), _mm512_loadu_si512(q.data() + m * K + c * 64));
+    }
   });
   auto y = torch::empty({M, N}, torch::kFloat);
   constexpr int64_t NB = 16;  // outputs per piece of work: their weights stay in L1
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m = 0; m < M; m += R)
-        dot_rows(q.data(), sv.data(), offset.data(), w.data_ptr<int8_t>(),
-                 swf.data_ptr<float>(), y.data_ptr<float>(), K, N, m,
-                 (int)std::min<int64_t>(R, M - m), b * NB, std::min(N, b * NB + NB));
+        (blocks ? dot_rows<true> : dot_rows<false>)(
+            q.data(), sv.data(), offset.data(), qs.data(), w.data_ptr<int8_t>(),
+            swf.data_ptr<float>(), y.data_ptr<float>(), K, N, m,
+            (int)std::min<int64_t>(R, M - m), b * NB, std::min(N, b * NB + NB));
   });
   return y.to(x.scalar_type());
 }
@@ -145,7 +164,9 @@ def folded_blocks(x, w, scale, block: int = 32) -> torch.Tensor:
     xb = x.float().reshape(x.shape[0], -1, block)
     sx = xb.abs().amax(-1, keepdim=True) / 127
     qx = torch.where(sx > 0, (xb / sx).round(), torch.zeros_like(xb)) * sx
-    return (qx.view(x.shape) @ w.float().t()) * scale.float().view(1, -1)
+    sw = scale.float().reshape(w.shape[0], -1, 1)  # per output [N, 1, 1], or per block
+    wf = (w.float().view(w.shape[0], sw.shape[1], -1) * sw).view(w.shape)
+    return qx.view(x.shape) @ wf.t()
 
 
 def _define_op() -> None:
@@ -166,8 +187,9 @@ if not hasattr(torch.ops.minillm, "int8_a8_linear"):  # once per process
 
 # %% ../chapters/07a_cpu_speed.ipynb #c9am-a8
 class Int8A8Linear(PackedInt8Linear):
-    """Chapter 5's int8 layer (weights and a scale per output) whose activations are
-    quantized to int8 in blocks of 32 and multiplied with integer dot products."""
+    """Chapter 5's int8 layer (weights and a scale per output, or with group_size=32
+    one per 32 weights, as llama.cpp's Q8_0) whose activations are quantized to int8
+    in blocks of 32 and multiplied with integer dot products."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -175,13 +197,17 @@ class Int8A8Linear(PackedInt8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = torch.ops.minillm.int8_a8_linear(rows, self.weight, self.scale.view(-1))
+        y = torch.ops.minillm.int8_a8_linear(rows, self.weight, self.scale)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
 def _int8_a8_target(name: str, linear, group_size) -> None:
-    """quantize's check for the mode: every input row comes in whole 64-byte loads."""
+    """quantize's check for the mode: every input row comes in whole 64-byte loads;
+    the weights' scales are per output or per block of 32."""
+    if group_size not in (None, 32):
+        raise ValueError(f"{name}: group_size={group_size!r}; mode 'int8-a8' takes "
+                         "None (a scale per output) or 32 (per block of weights)")
     if linear.in_features % 64:
         raise ValueError(f"{name}: in_features={linear.in_features}; mode 'int8-a8' "
                          "needs a multiple of 64 (use 'int8')")
@@ -189,5 +215,6 @@ def _int8_a8_target(name: str, linear, group_size) -> None:
 
 MODES["int8-a8"] = Int8A8Linear
 TARGET_CHECKS["int8-a8"] = _int8_a8_target
+GROUPED_MODES.add("int8-a8")  # quantize(model, "int8-a8", group_size=32)
 ON_LOAD["int8-a8"] = "int8-a8"  # load_model(path, quantization="int8-a8")
 QUANTIZATIONS["int8-a8"] = int8_layers_on_meta

@@ -3,6 +3,7 @@ to int8 in blocks of 32. The C++ kernel (AVX-512 VNNI) gives blockwise_linear's 
 a row's bits do not depend on the rows beside it, the operator computes the same maths
 without VNNI, and the mode "int8-a8" is registered for quantize, load_model, the fused
 projections and the compiled engine."""
+import copy
 import subprocess
 import sys
 
@@ -24,16 +25,18 @@ VNNI = w8a8_cpu.kernel().has_vnni()  # built or loaded: now the operator's CPU k
 a8 = torch.ops.minillm.int8_a8_linear
 
 
-def weights(N, K, seed=0):
+def weights(N, K, seed=0, blocks=False):
+    """int8 weights and their scales: one per output [N], or one per 32 [N, K/32]."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
-    return w, torch.rand(N, generator=g) / 100
+    return w, torch.rand((N, K // 32) if blocks else N, generator=g) / 100
 
 
+@pytest.mark.parametrize("blocks", [False, True])
 @pytest.mark.parametrize("N,K", [(24, 64), (17, 192), (40, 128)])
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 33])
-def test_the_operator_gives_blockwise_linear(M, N, K):
-    w, scale = weights(N, K, seed=M)
+def test_the_operator_gives_blockwise_linear(M, N, K, blocks):
+    w, scale = weights(N, K, seed=M, blocks=blocks)
     x = torch.randn(M, K) * torch.rand(M, K) * 4
     x[0, :32] = 0.0  # a block of zeros: scale 0, codes 0
     want = blockwise_linear(x, w, scale)
@@ -52,15 +55,17 @@ def test_blockwise_linear_gives_each_block_its_own_scale():
     assert (blocks - exact).abs().mean() < 0.6 * (per_row - exact).abs().mean()
 
 
-def test_a_row_gives_the_same_bits_alone_or_in_a_batch():
-    w, scale = weights(96, 256)
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_row_gives_the_same_bits_alone_or_in_a_batch(blocks):
+    w, scale = weights(96, 256, blocks=blocks)
     x = torch.randn(37, 256).bfloat16()
     batch = a8(x, w, scale)
     assert all(torch.equal(a8(x[i:i + 1], w, scale), batch[i:i + 1]) for i in range(37))
 
 
-def test_the_pytorch_version_for_cpus_without_vnni_computes_the_same_maths():
-    w, scale = weights(40, 192)
+@pytest.mark.parametrize("blocks", [False, True])
+def test_the_pytorch_version_for_cpus_without_vnni_computes_the_same_maths(blocks):
+    w, scale = weights(40, 192, blocks=blocks)
     x = torch.randn(5, 192)
     want = blockwise_linear(x, w, scale)
     assert torch.allclose(folded_blocks(x, w, scale), want, rtol=1e-4, atol=1e-5)
@@ -96,8 +101,8 @@ def test_quantize_refuses_what_the_kernel_cannot_take_before_changing_anything()
                                          r"multiple of 64"):
         quantize(m, "int8-a8", skip=())
     assert all(type(layer) is nn.Linear for layer in m)
-    with pytest.raises(ValueError, match="group_size=32"):
-        quantize(nn.Sequential(nn.Linear(64, 8)), "int8-a8", group_size=32, skip=())
+    with pytest.raises(ValueError, match="group_size=64; mode 'int8-a8' takes None"):
+        quantize(nn.Sequential(nn.Linear(64, 8)), "int8-a8", group_size=64, skip=())
 
 
 def test_load_model_quantizes_on_load_to_the_same_layers():
@@ -142,13 +147,34 @@ def test_the_compiled_engine_calls_the_operator_in_its_step():
     assert len(engine.pop(rid).output_ids) == 6
 
 
-def test_the_benchmarks_run_the_mode_in_float32_with_its_head_too():
+def test_weights_in_blocks_of_32_are_more_exact_through_the_same_kernel():
+    torch.manual_seed(0)
+    linear = nn.Linear(192, 48, bias=False)
+    with torch.no_grad():
+        linear.weight[:, 7] *= 30  # an outlier column coarsens a whole row's scale
+    rows, blocks = (quantize(nn.Sequential(copy.deepcopy(linear)), "int8-a8",
+                             group_size=g, skip=())[0] for g in (None, 32))
+    assert rows.scale.shape == (48, 1) and blocks.scale.shape == (48, 6)
+    x = torch.randn(3, 192)
+    exact = linear(x)
+    assert torch.allclose(blocks(x), blockwise_linear(x, blocks.weight, blocks.scale),
+                          rtol=1e-4, atol=1e-5)
+    error = {name: (layer(x) - exact).pow(2).mean() for name, layer in
+             (("rows", rows), ("blocks", blocks))}
+    assert error["blocks"] < 0.5 * error["rows"]
+
+
+def test_the_benchmarks_run_the_mode_in_float32_with_its_head_in_blocks():
     from minillm.bench.measure import FAST_MODES, fast_copy
     model = load_model(bundled_model_path())
     fast = fast_copy(model, "int8-a8")
-    assert isinstance(fast.lm_head, Int8A8Linear)  # the head in the mode too
+    head = fast.lm_head
+    assert isinstance(head, Int8A8Linear) and head.group_size == 32  # as Q8_0's
+    assert head.scale.shape == (head.out_features, head.in_features // 32)
     assert fast.norm.weight.dtype == torch.float32  # no casts around the kernel
-    assert FAST_MODES["int8-a8"].label("int8-a8") == "int8-a8, head too"
+    assert FAST_MODES["int8-a8"].label("int8-a8") == (
+        "int8-a8 + int8-a8 head in blocks of 32")
     int8 = fast_copy(model, "int8")  # chapter 5's modes as before
     assert int8.norm.weight.dtype == torch.bfloat16
     assert type(int8.lm_head).__name__ == "PackedInt8Linear"
+    assert FAST_MODES["int8"].label("int8") == "int8 + int8 head"

@@ -18,7 +18,7 @@ from ..generate import generate
 from ..kv.contiguous import KVCache
 from ..config import ModelConfig
 from ..naive import naive_generate
-from ..quant import quantize, quantize_head
+from ..quant import MODES, quantize
 from ..sampling import SamplingParams
 from ..utils import synchronize
 
@@ -126,33 +126,36 @@ def transformers_method(hf_model) -> Method:
 @dataclass(frozen=True)
 class FastMode:
     """How the benchmarks run one of the fast modes: the chapter that builds it, the
-    dtype of the model around its layers, and its LM head: quantize_head's mode, or
-    None for the head in the mode itself."""
+    dtype of the model around its layers, and its LM head's mode and group_size."""
     chapter: str
     dtype: torch.dtype = torch.bfloat16
-    head: str | None = "int8"
+    head: str = "int8"
+    head_group_size: int | None = None
 
     def label(self, mode: str) -> str:
-        return f"{mode} + {self.head} head" if self.head else f"{mode}, head too"
+        groups = self.head_group_size
+        return (f"{mode} + {self.head} head" if groups is None
+                else f"{mode} + {self.head} head in blocks of {groups}")
 
 
 FAST_MODES = {"int8": FastMode("ch. 5"), "int4": FastMode("ch. 5"),
               # the appendix's section 6: activations in blocks of 32. Its kernel reads
-              # float32 and multiplies the head fastest too: a float32 model, no casts
-              "int8-a8": FastMode("ch. 7", torch.float32, None)}
+              # float32 (a float32 model: no casts around it); the head's weights in
+              # blocks of 32 too, as llama.cpp's Q8_0 (more exact; a slower head)
+              "int8-a8": FastMode("ch. 7", torch.float32, "int8-a8", 32)}
 
 
 def fast_copy(model, mode: str | None):
     """A copy of the model: without a mode in bfloat16; with one, in its FAST_MODES
     dtype, its linear layers in that mode (chapter 5's fused kernels) and its LM head
-    as FAST_MODES says."""
+    as FAST_MODES says (a tied head stops sharing its weight with the embedding)."""
     fast = FAST_MODES.get(mode, FastMode("ch. 5"))
     copied = copy.deepcopy(model).to(fast.dtype)
     if mode is None:
         return copied
-    if fast.head is None:
-        return quantize(copied, mode, skip=())
-    return quantize_head(quantize(copied, mode), fast.head)
+    quantize(copied, mode)
+    copied.lm_head = MODES[fast.head].from_linear(copied.lm_head, fast.head_group_size)
+    return copied
 
 
 def weight_nbytes(module: torch.nn.Module) -> int:
