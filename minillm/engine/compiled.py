@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from typing import Callable
 
 import torch
@@ -23,11 +24,12 @@ __all__ = ['DECODE_ATTENTION', 'CompiledRunner', 'enable_compiled_decode', 'comp
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c97w-cstep-h
 def _own_code(fn, name: str):
-    """fn with a copy of its code object, named `name`. torch.compile keeps its compiled
-    versions on the code object: each step has its own, so a call checks the guards
-    of its one version, not of every bucket's and every engine's."""
-    fn.__code__ = fn.__code__.replace(co_name=name)
-    return fn
+    """A new function like fn (its globals, defaults, closure) on a copy of its code
+    object, named `name`. torch.compile keeps its compiled versions on the code
+    object: each step has its own, so a call checks the guards of its one version,
+    not of every bucket's and every engine's."""
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name,
+                              fn.__defaults__, fn.__closure__)
 
 
 DECODE_ATTENTION: dict[str, Callable] = {"gather": lambda kv: kv}
