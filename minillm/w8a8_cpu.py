@@ -6,21 +6,18 @@ blocks of 32, with AVX-512 VNNI's integer dot products (mode "int8-a8")."""
 from __future__ import annotations
 
 import functools
-import logging
-import time
 
 import torch
-from torch.utils.cpp_extension import load_inline
 
 from .loader import QUANTIZATIONS
+from .paged_decode import build_cpu_kernel
 from .quant import (GROUPED_MODES, MODES, ON_LOAD, TARGET_CHECKS,
                            PackedInt8Linear)
 from .quant import int8_layers_on_meta
 
-_log = logging.getLogger("minillm")
-
 # %% auto #0
-__all__ = ['INT8_A8_QUANTIZE', 'INT8_A8_DOT', 'INT8_A8_OP', 'blockwise_linear', 'kernel', 'folded_blocks', 'Int8A8Linear']
+__all__ = ['INT8_A8_QUANTIZE', 'INT8_A8_DOT', 'INT8_A8_OP', 'blockwise_linear', 'kernel', 'quantized_blocks', 'folded_blocks',
+           'Int8A8Linear']
 
 # %% ../chapters/07a_cpu_speed.ipynb #c9ag-a8
 def blockwise_linear(x, w, scale, block: int = 32) -> torch.Tensor:
@@ -143,30 +140,28 @@ bool has_vnni() { return false; }  // the operator keeps its PyTorch version
 
 @functools.cache
 def kernel():
-    """The C++ above, built once per machine for this CPU (-march=native); loading
-    it makes it the operator's CPU kernel. Without AVX-512 VNNI it holds only
-    has_vnni(), false."""
-    _log.info("building the int8-a8 kernel (once per machine, ~25 s)")
-    start = time.perf_counter()
-    module = load_inline(
-        "minillm_int8_a8", functions=["has_vnni"], cpp_sources=(
-            "#include <torch/extension.h>\n#include <ATen/Parallel.h>\n#include "
-            "<immintrin.h>\n#include <cmath>\n#include <vector>\n" + INT8_A8_QUANTIZE
-            + INT8_A8_DOT + INT8_A8_OP),
-        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    _log.info(f"int8-a8 kernel ready in {time.perf_counter() - start:.1f} s")
-    return module
+    """The C++ above, built once per machine for this CPU (§5's build_cpu_kernel);
+    loading it makes it the operator's CPU kernel. Without AVX-512 VNNI it holds
+    only has_vnni(), false."""
+    return build_cpu_kernel("minillm_int8_a8", "the int8-a8 kernel", ["has_vnni"],
+                            INT8_A8_QUANTIZE + INT8_A8_DOT + INT8_A8_OP)
+
+
+def quantized_blocks(x, block: int = 32) -> torch.Tensor:
+    """x [rows, K] as the kernel sees it, in float32: each block of `block` values
+    rounded to a code times the block's scale (its largest magnitude / 127)."""
+    xb = x.float().reshape(x.shape[0], -1, block)
+    sx = xb.abs().amax(-1, keepdim=True) / 127
+    return (torch.where(sx > 0, (xb / sx).round(), torch.zeros_like(xb)) * sx
+            ).view(x.shape)
 
 
 def folded_blocks(x, w, scale, block: int = 32) -> torch.Tensor:
     """blockwise_linear's answer with each block's scale folded into its codes
     (one matmul, no [rows, N, blocks] tensor): where there is no VNNI."""
-    xb = x.float().reshape(x.shape[0], -1, block)
-    sx = xb.abs().amax(-1, keepdim=True) / 127
-    qx = torch.where(sx > 0, (xb / sx).round(), torch.zeros_like(xb)) * sx
     sw = scale.float().reshape(w.shape[0], -1, 1)  # per output [N, 1, 1], or per block
     wf = (w.float().view(w.shape[0], sw.shape[1], -1) * sw).view(w.shape)
-    return qx.view(x.shape) @ wf.t()
+    return quantized_blocks(x, block) @ wf.t()
 
 
 def _define_op() -> None:

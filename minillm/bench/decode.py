@@ -467,7 +467,8 @@ def decode_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fast", nargs="+", default=[], choices=tuple(FAST_MODES),
                         help="also the fast modes, at every batch size (chapter 5's "
                         "int8 and int4 with an int8 LM head in bfloat16; chapter 7's "
-                        "int8-a8, its head too, in float32), e.g. --fast int8 int4 int8-a8")
+                        "int8-a8 and int4-a8 with an int8-a8 head in blocks of 32, in "
+                        "float32), e.g. --fast int8 int4 int8-a8 int4-a8")
     parser.add_argument("--llama-cpp", nargs="+", default=[], choices=LLAMA_CPP_KINDS,
                         help="also llama.cpp on the same checkpoint in these formats, "
                         "in the same turns (needs pip install llama-cpp-python), e.g. "

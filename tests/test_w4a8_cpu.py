@@ -1,0 +1,182 @@
+"""minillm.w4a8_cpu (chapter 7's appendix, §7): chapter 5's int4 codes in tiles of 16
+outputs, times activations quantized to int8 in blocks of 32. The C++ kernel (AVX-512
+VNNI) gives the PyTorch maths' answer, a row's bits do not depend on the rows beside it,
+the layer holds chapter 5's int4 weights, and the mode "int4-a8" is registered for
+quantize, load_model, the fused projections and the compiled engine."""
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import minillm.w4a8_cpu as w4a8_cpu
+from minillm.engine import LLMEngine
+from minillm.fused import stack_rows
+from minillm.loader import load_model
+from minillm.quant import Int4Linear, int4_dequantize, int4_quantize, quantize
+from minillm.sampling import SamplingParams
+from minillm.utils import bundled_model_path
+from minillm.w4a8_cpu import (Int4A8Linear, int4_a8_in_pytorch, tile_int4,
+                              tile_scale_zero, untile_int4, untile_scale_zero)
+from minillm.w8a8_cpu import quantized_blocks
+
+torch.set_num_threads(2)
+VNNI = w4a8_cpu.kernel().has_vnni()  # built or loaded: now the operator's CPU kernel
+w4a8 = torch.ops.minillm.int4_a8_linear
+
+
+def int4_weights(N, K, group, seed=0):
+    """Chapter 5's int4 codes of a random weight, its scale_zero [groups, N, 2], and
+    both tiled."""
+    g = torch.Generator().manual_seed(seed)
+    codes, scale, zero = int4_quantize(torch.randn(N, K, generator=g) / 20, group)
+    sz = torch.stack([scale.T, zero.T], -1)
+    return codes, sz, tile_int4(codes).view(N, -1), tile_scale_zero(sz)
+
+
+def test_tiles_put_16_outputs_in_a_load_and_come_back():
+    codes = torch.randint(0, 16, (32, 24), dtype=torch.uint8)
+    tiles = tile_int4(codes)
+    assert tiles.shape == (2, 3, 16, 4) and tiles.dtype == torch.uint8
+    # tile 1, chunk 2, output 16 + 5, byte 3: inputs 16 + 3 (low) and 16 + 7 (high)
+    assert tiles[1, 2, 5, 3] == codes[21, 19] | codes[21, 23] << 4
+    assert torch.equal(untile_int4(tiles), codes)
+    sz = torch.randn(3, 32, 2)  # [groups, N, 2]: tile 1, group 2, output 16 + 5
+    assert torch.equal(tile_scale_zero(sz)[1, 2, 5], sz[2, 21])
+    assert torch.equal(untile_scale_zero(tile_scale_zero(sz)), sz)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("N,K", [(16, 128), (48, 256), (96, 384)])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 33])
+def test_the_operator_gives_the_pytorch_maths(M, N, K, group):
+    if K % group:
+        pytest.skip("int4 needs K divisible by the group size")
+    codes, plain, tiles, sz = int4_weights(N, K, group, seed=M)
+    x = torch.randn(M, K) * torch.rand(M, K) * 4
+    x[0, :32] = 0.0  # a block of zeros: scale 0, codes 0
+    weights = int4_dequantize(codes, plain[..., 0].T, plain[..., 1].T)
+    want = quantized_blocks(x) @ weights.t()
+    assert torch.allclose(w4a8(x, tiles, sz, group), want, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(int4_a8_in_pytorch(x, tiles, sz, group), want, rtol=1e-5,
+                          atol=1e-5)
+    assert w4a8(x.bfloat16(), tiles, sz, group).dtype == torch.bfloat16
+    assert torch.allclose(w4a8(x, tiles, sz.float(), group), w4a8(x, tiles, sz, group))
+
+
+def test_a_row_gives_the_same_bits_alone_or_in_a_batch():
+    *_, tiles, sz = int4_weights(96, 256, 64)
+    x = torch.randn(37, 256)
+    batch = w4a8(x, tiles, sz, 64)
+    assert all(torch.equal(w4a8(x[i:i + 1], tiles, sz, 64), batch[i:i + 1])
+               for i in range(37))
+
+
+def test_the_kernel_refuses_shapes_it_cannot_tile():
+    if not VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    *_, tiles, sz = int4_weights(16, 64, 32)
+    with pytest.raises(RuntimeError, match="N a multiple of 16"):
+        w4a8(torch.randn(1, 64), tiles[:8], sz, 32)
+    with pytest.raises(RuntimeError, match=r"\[N/16, K/G, 16, 2\], G a multiple of 32"):
+        w4a8(torch.randn(1, 64), tiles, sz, 64)
+
+
+def test_the_layer_holds_chapter_5s_int4_weights():
+    linear = nn.Linear(256, 48)
+    ours, int4 = (mode.from_linear(linear) for mode in (Int4A8Linear, Int4Linear))
+    assert ours.weight.shape == int4.weight.shape  # [N, K/2] bytes, in tiles
+    assert torch.equal(untile_scale_zero(ours.scale_zero), int4.scale_zero)
+    same = int4_dequantize(*int4_quantize(linear.weight.detach(), 32))
+    assert torch.equal(ours.dequantize(), same)  # the weights chapter 5's codes mean
+    x = torch.randn(3, 256)
+    want = quantized_blocks(x) @ ours.dequantize().t() + linear.bias
+    assert torch.allclose(ours(x), want, rtol=1e-4, atol=1e-4)
+    assert "tiles of 16" in repr(ours)
+
+
+def test_quantize_swaps_every_linear_but_the_head():
+    m = load_model(bundled_model_path(), dtype=torch.float32)
+    quantize(m, "int4-a8", group_size=64)
+    kinds = {type(mod).__name__ for name, mod in m.named_modules()
+             if name.endswith("_proj")}
+    assert kinds == {"Int4A8Linear"} and isinstance(m.lm_head, nn.Linear)
+    assert m.layers[0].mlp.down_proj.group_size == 64
+
+
+def test_quantize_refuses_what_the_kernel_cannot_take_before_changing_anything():
+    m = nn.Sequential(nn.Linear(64, 16), nn.Linear(64, 8))
+    with pytest.raises(ValueError, match=r"1: in_features=64, out_features=8; mode "
+                                         r"'int4-a8' needs"):
+        quantize(m, "int4-a8", skip=())
+    assert all(type(layer) is nn.Linear for layer in m)
+    with pytest.raises(ValueError, match=r"group_size=48; mode 'int4-a8' takes one of"):
+        quantize(nn.Sequential(nn.Linear(96, 16)), "int4-a8", group_size=48, skip=())
+
+
+def test_load_model_quantizes_on_load_to_the_same_layers():
+    loaded = load_model(bundled_model_path(), quantization="int4-a8")
+    swapped = quantize(load_model(bundled_model_path()), "int4-a8")
+    a, b = loaded.layers[2].self_attn.q_proj, swapped.layers[2].self_attn.q_proj
+    assert type(a) is Int4A8Linear and torch.equal(a.weight, b.weight)
+    assert torch.equal(a.scale_zero, b.scale_zero) and a.scale_zero.shape == (
+        a.out_features // 16, a.in_features // 32, 16, 2)
+
+
+def test_the_mode_is_registered_in_one_place_for_a_fresh_process():
+    code = ("import sys, torch.nn as nn\nfrom minillm.quant import quantize\n"
+            "m = quantize(nn.Sequential(nn.Linear(64, 16)), 'int4-a8', skip=())\n"
+            "print(type(m[0]).__name__, 'minillm.w4a8_cpu' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["Int4A8Linear", "True"]
+
+
+def test_stacked_layers_give_the_separate_outputs_bit_for_bit():
+    parts = [Int4A8Linear.from_linear(nn.Linear(128, n, bias=False)) for n in (32, 16, 16)]
+    fused = stack_rows(parts)
+    x = torch.randn(3, 128)
+    assert type(fused) is Int4A8Linear and fused.out_features == 64
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], -1))
+
+
+def test_the_compiled_engine_calls_the_operator_in_its_step():
+    model = load_model(bundled_model_path(), dtype=torch.float32, quantization="int4-a8")
+    engine = LLMEngine(model, max_num_seqs=2, kv_cache="paged", max_model_len=128,
+                       compile_decode=True, fuse_projections=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    rid = engine.add_request(list(range(10, 30)), params)
+    engine.step()  # the prompt, eager
+    engine.step()  # the first decode step compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        engine.step()  # one compiled decode step
+    calls = [e for e in p.events() if e.name == "minillm::int4_a8_linear"]
+    assert len(calls) == 4 * len(model.layers)  # fused: q/k/v, o, gate/up, down
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.pop(rid).output_ids) == 6
+
+
+def test_the_benchmarks_run_the_mode_in_float32_with_an_int8_a8_head_in_blocks():
+    from minillm.bench.measure import FAST_MODES, fast_copy
+    from minillm.w8a8_cpu import Int8A8Linear
+    fast = fast_copy(load_model(bundled_model_path()), "int4-a8")
+    assert type(fast.layers[0].mlp.up_proj) is Int4A8Linear
+    assert isinstance(fast.lm_head, Int8A8Linear) and fast.lm_head.group_size == 32
+    assert fast.norm.weight.dtype == torch.float32
+    assert FAST_MODES["int4-a8"].label("int4-a8") == (
+        "int4-a8 + int8-a8 head in blocks of 32")
+
+
+def test_a_model_in_the_mode_stays_close_to_chapter_5s_int4():
+    model = load_model(bundled_model_path(), dtype=torch.float32)
+    int4 = quantize(copy.deepcopy(model), "int4")
+    ours = quantize(copy.deepcopy(model), "int4-a8")
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    positions = torch.arange(24)[None].expand(2, -1)
+    with torch.no_grad():
+        a, b, ref = (m(ids, positions).float() for m in (ours, int4, model))
+    # 8-bit activations add little to 4-bit weights' error
+    assert (a - ref).pow(2).mean() < 1.5 * (b - ref).pow(2).mean()
