@@ -17,8 +17,8 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "minillm.sampling.SAMPLING_FIELDS": ("minillm.structured.params",),  # chapter 11
     "minillm.loader.QUANTIZATIONS": ("minillm.quant",                    # chapter 5
                                      "minillm.w8a8_cpu",                 # chapter 7
-                                     "minillm.w4a8_cpu"),
-    "minillm.quant.MODES": ("minillm.w8a8_cpu", "minillm.w4a8_cpu"),    # chapter 7
+                                     "minillm.tiled_a8"),
+    "minillm.quant.MODES": ("minillm.w8a8_cpu", "minillm.tiled_a8"),    # chapter 7
     "minillm.loader.DTYPE_RULES": ("minillm.dtype_auto",),               # chapter 7
     "minillm.kv.base.KV_BACKENDS": ("minillm.kv.slots",                  # chapter 4
                                     "minillm.kv.paged"),                 # chapter 6

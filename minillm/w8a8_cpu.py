@@ -42,10 +42,10 @@ float quantize_row(const float* x, int64_t K, int8_t* q, float* sv) {
   for (int64_t b = 0; b < K / 32; ++b) {
     float amax = 0.f;
     for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
-    const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const float s = amax / 127.f;  // x / s, as PyTorch rounds it: the same codes
     int sum = 0;
     for (int i = 0; i < 32; ++i) {
-      q[b * 32 + i] = (int8_t)std::nearbyint(x[b * 32 + i] * inv);
+      q[b * 32 + i] = s > 0.f ? (int8_t)std::nearbyint(x[b * 32 + i] / s) : 0;
       sum += q[b * 32 + i];
     }
     for (int l = 0; l < 8; ++l) sv[b * 8 + l] = s;

@@ -29,13 +29,14 @@ def arrivals(n: int = 6) -> list:
             for i in range(n)]
 
 
-def serve(model, compiled: bool, kv_cache: str = "paged",
-          freezing: bool = False) -> tuple[list, object]:
+def serve(model, compiled: bool, kv_cache: str = "paged", freezing: bool = False,
+          inductor: dict | None = None) -> tuple[list, object]:
     """Every request's output ids, and the engine's runner. One bucket (4 rows, a span
     of 64 positions) holds every decode step: one compile."""
     engine = LLMEngine(model, max_num_seqs=4, kv_cache=kv_cache, max_model_len=64)
     if compiled:
-        enable_compiled_decode(engine, buckets=[4], spans=[64], freezing=freezing)
+        enable_compiled_decode(engine, buckets=[4], spans=[64], freezing=freezing,
+                               inductor=inductor)
     served = drive(engine, arrivals())
     return [r.seq.output_ids for r in served.values()], engine.runner
 
@@ -134,6 +135,21 @@ def test_the_engine_option_and_its_checks(llama):
     assert type(graphs.runner) is GraphRunner  # on a CPU: padded, eager, uncompiled
     with pytest.raises(ValueError, match="max_graphs"):
         enable_compiled_decode(LLMEngine(model, max_num_seqs=2), max_graphs=0)
+
+
+def test_inductor_settings_reach_the_compiled_step(llama):
+    from minillm.bench.decode import CPP_WRAPPER
+    _, model = llama
+    for bad in ({"no_such_setting": 1}, ["cpp_wrapper"]):
+        with pytest.raises(ValueError, match="inductor_compile_config="):
+            LLMEngine(model, compile_decode=True, inductor_compile_config=bad)
+    with pytest.raises(ValueError, match="add compile_decode=True"):
+        LLMEngine(model, inductor_compile_config={"cpp_wrapper": True})
+    engine = LLMEngine(model, compile_decode=True, inductor_compile_config=CPP_WRAPPER)
+    assert engine.runner.inductor == CPP_WRAPPER
+    ids, runner = serve(model, True, inductor=CPP_WRAPPER)  # kernels called from C++
+    assert runner.inductor == CPP_WRAPPER and list(runner.steps) == [(4, 64)]
+    assert ids == serve(model, False)[0]
 
 
 def test_llm_takes_compile_decode(llama):

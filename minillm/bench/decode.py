@@ -40,6 +40,7 @@ __all__ = ["COMPILED", "DTYPES", "LLAMA_CPP_KINDS", "llama_cpp_missing", "gguf_c
 
 
 COMPILED = "engine, compiled (ch. 7)"  # --compile off a GPU: section 14's runner
+CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
@@ -288,7 +289,8 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
     compile off a GPU: every engine way at batch 1 also with its decode step compiled
     (compile_decode=True), and each fast mode compiled with its projections fused too
     (fuse_projections=True), fused and with attention_backend="in_place" (where the
-    kernel takes the head size), in the same turns; compile_s is what compiling took.
+    kernel takes the head size), and that with inductor's C++ wrapper, in the same
+    turns; compile_s is what compiling took.
     llama_cpp: formats of LLAMA_CPP_KINDS in which llama.cpp runs the same checkpoint
     at batch 1, in the same turns (needs llama-cpp-python and a checkpoint)."""
     from functools import partial
@@ -307,11 +309,12 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
                          f"than the context of {ours.config.context_length}")
     prompt = random_prompt(ours.config.vocab_size, prompt_tokens)
 
-    def engine(m, batch, graphs, compiled=False, fused=False, attention=None):
+    def engine(m, batch, graphs, compiled=False, fused=False, attention=None,
+               inductor=None):
         e = LLMEngine(m, max_num_seqs=batch, kv_cache="paged",
                       max_model_len=prompt_tokens + n, cuda_graphs=graphs,
                       compile_decode=compiled, fuse_projections=fused,
-                      attention_backend=attention)
+                      attention_backend=attention, inductor_compile_config=inductor)
         return partial(engine_run, e, prompt, n, batch, device)
     # --compile off a GPU: each way's decode step compiled too (chapter 7, section 14)
     steps = compile and device.type != "cuda"
@@ -346,6 +349,12 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
                 ways[in_place] = engine(held[fused], 1, False, True, fused=True,
                                         attention="in_place")
                 again[in_place] = (held[fused], True, True, "in_place")
+                # and its kernels called from C++ rather than Python (inductor's
+                # cpp_wrapper; compiled apart from the kernels: less compile time)
+                cpp = f"engine, {label}, fused, in place, compiled, C++ wrapper (ch. 7)"
+                held[cpp] = held[fused]
+                ways[cpp] = engine(held[fused], 1, False, True, fused=True,
+                                   attention="in_place", inductor=CPP_WRAPPER)
     if llama_cpp:  # the same checkpoint, written as GGUF files; its KV in float16
         folder = bundled_model_path() if model == "bundled" else real_folder(model)
         c = ours.config

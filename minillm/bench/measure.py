@@ -143,9 +143,10 @@ FAST_MODES = {"int8": FastMode("ch. 5"), "int4": FastMode("ch. 5"),
               # float32 (a float32 model: no casts around it); the head's weights in
               # blocks of 32 too, as llama.cpp's Q8_0 (more exact; a slower head)
               "int8-a8": FastMode("ch. 7", torch.float32, "int8-a8", 32),
-              # section 7: int4 codes in tiles of 16 outputs, the same head: as a
-              # llama.cpp Q4_0 file of SmolLM2, whose head is Q8_0
-              "int4-a8": FastMode("ch. 7", torch.float32, "int8-a8", 32)}
+              # section 7: int4 codes in tiles of 16 outputs, the head in 8 bits in
+              # blocks of 32 and in tiles too: as a llama.cpp Q4_0 file of SmolLM2,
+              # whose head is Q8_0
+              "int4-a8": FastMode("ch. 7", torch.float32, "int8-a8-tiles")}
 
 
 def fast_copy(model, mode: str | None):

@@ -20,7 +20,8 @@ _log = logging.getLogger("minillm")
 
 
 # %% auto #0
-__all__ = ['DECODE_ATTENTION', 'CompiledRunner', 'enable_compiled_decode', 'compile_decode_option', 'attention_backend_option']
+__all__ = ['DECODE_ATTENTION', 'CompiledRunner', 'enable_compiled_decode', 'compile_decode_option', 'attention_backend_option',
+           'inductor_compile_config_option']
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c97w-cstep-h
 def _own_code(fn, name: str):
@@ -59,9 +60,11 @@ class CompiledRunner(GraphRunner):
     inductor's C++ code)."""
 
     def __init__(self, model, kv, buckets: list[int], spans: list[int],
-                 freezing: bool = False, attention: str = "gather"):
+                 freezing: bool = False, attention: str = "gather",
+                 inductor: dict | None = None):
         super().__init__(model, kv, buckets, spans, capture=False)
         self.freezing, self.attention = freezing, attention
+        self.inductor = dict(inductor or {})  # more of inductor's settings
         self.step_kv = features.registry(DECODE_ATTENTION)[attention](kv)
         self.steps: dict[tuple, object] = {}  # (bucket, span) -> its compiled step
         self.compile_seconds, self.cache_hits = 0.0, 0
@@ -79,7 +82,8 @@ class CompiledRunner(GraphRunner):
         step = _own_code(step, f"decode_step_{key[0]}x{key[1]}")
         return torch.compile(step, fullgraph=True, dynamic=False, options={
             "freezing": self.freezing, "emulate_precision_casts": True,
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            **self.inductor})
 
     def forward_step(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
         if key not in self.steps:
@@ -91,17 +95,18 @@ class CompiledRunner(GraphRunner):
 # %% ../../chapters/07a_cpu_speed.ipynb #c97z-cstep
 def enable_compiled_decode(engine, buckets: list[int] | None = None,
                            spans: list[int] | None = None, max_graphs: int = 64,
-                           freezing: bool = False,
-                           attention: str = "gather") -> CompiledRunner:
+                           freezing: bool = False, attention: str = "gather",
+                           inductor: dict | None = None) -> CompiledRunner:
     """Make `engine`'s decode steps run one torch.compile'd step per bucket, each
     compiled on its first use; buckets and spans as enable_cuda_graphs chooses them
     (max_graphs bounds the number of compiled steps); `attention`: a name in
-    DECODE_ATTENTION."""
+    DECODE_ATTENTION; `inductor`: more torch._inductor.config settings."""
     attention_backend_option(attention)
+    inductor_compile_config_option(inductor)
     buckets, spans = _buckets_and_spans(engine, buckets, spans, max_graphs)
     old = engine.runner
     runner = _take_over(CompiledRunner(old.model, old.kv, buckets, spans, freezing,
-                                       attention), old)
+                                       attention, inductor), old)
     engine.runner = runner
     return runner
 
@@ -121,16 +126,35 @@ def attention_backend_option(name: str | None) -> str | None:
     return name
 
 
-def _compiled_only(engine, name: str) -> None:
-    if engine.config.options.get("compile_decode") is None:
-        raise ValueError(f"attention_backend={name!r} chooses the compiled decode "
-                         "step's attention: add compile_decode=True")
+def inductor_compile_config_option(config: dict | None) -> dict | None:
+    """LLMEngine(..., inductor_compile_config={...}): more of inductor's settings for
+    the compiled steps (as vLLM's CompilationConfig.inductor_compile_config), e.g.
+    {"cpp_wrapper": True}: the step's kernels called from C++, not from Python."""
+    if config is None:
+        return None
+    known = torch._inductor.config.get_config_copy()
+    if not isinstance(config, dict) or not all(k in known for k in config):
+        raise ValueError(f"inductor_compile_config={config!r}: give a dict of "
+                         "torch._inductor.config settings, e.g. {'cpp_wrapper': True}")
+    return dict(config)
+
+
+def _compiled_only(option: str):
+    """The apply of an option that sets how the compiled decode step runs."""
+    def apply(engine, value) -> None:
+        if engine.config.options.get("compile_decode") is None:
+            raise ValueError(f"{option}={value!r} chooses how the compiled decode "
+                             "step runs: add compile_decode=True")
+    return apply
 
 
 register_engine_option("compile_decode", compile_decode_option, order=20,
                        apply=lambda engine, on: enable_compiled_decode(
                            engine, attention=engine.config.options.get(
-                               "attention_backend") or "gather"),
+                               "attention_backend") or "gather",
+                           inductor=engine.config.options.get(
+                               "inductor_compile_config")),
                        excludes=("cuda_graphs",))
-register_engine_option("attention_backend", attention_backend_option, order=19,
-                       apply=_compiled_only)
+for _name, _check in [("attention_backend", attention_backend_option),
+                      ("inductor_compile_config", inductor_compile_config_option)]:
+    register_engine_option(_name, _check, order=19, apply=_compiled_only(_name))

@@ -1,7 +1,8 @@
-"""minillm.w4a8_cpu (chapter 7's appendix, §7): chapter 5's int4 codes in tiles of 16
-outputs, times activations quantized to int8 in blocks of 32. The C++ kernel (AVX-512
-VNNI) gives the PyTorch maths' answer, a row's bits do not depend on the rows beside it,
-the layer holds chapter 5's int4 weights, and the mode "int4-a8" is registered for
+"""minillm.tiled_a8 (chapter 7's appendix, §7): chapter 5's int4 codes, and §6's int8
+weights in blocks of 32, in tiles of 16 outputs, times activations quantized to int8 in
+blocks of 32. The C++ kernel (AVX-512 VNNI) gives the PyTorch maths' answer (§6's
+blockwise_linear for int8), a row's bits do not depend on the rows beside it, the layers
+hold chapter 5's weights, and the modes "int4-a8" and "int8-a8-tiles" are registered for
 quantize, load_model, the fused projections and the compiled engine."""
 import copy
 import subprocess
@@ -11,20 +12,21 @@ import pytest
 import torch
 from torch import nn
 
-import minillm.w4a8_cpu as w4a8_cpu
+import minillm.tiled_a8 as tiled_a8
 from minillm.engine import LLMEngine
 from minillm.fused import stack_rows
 from minillm.loader import load_model
 from minillm.quant import Int4Linear, int4_dequantize, int4_quantize, quantize
 from minillm.sampling import SamplingParams
 from minillm.utils import bundled_model_path
-from minillm.w4a8_cpu import (Int4A8Linear, int4_a8_in_pytorch, tile_int4,
-                              tile_scale_zero, untile_int4, untile_scale_zero)
-from minillm.w8a8_cpu import quantized_blocks
+from minillm.tiled_a8 import (Int4A8Linear, Int8A8Tiles, tile_int4, tile_int8,
+                              tile_scale_zero, tile_scales, tiled_a8_in_pytorch,
+                              untile_int4, untile_scale_zero)
+from minillm.w8a8_cpu import Int8A8Linear, blockwise_linear, quantized_blocks
 
 torch.set_num_threads(2)
-VNNI = w4a8_cpu.kernel().has_vnni()  # built or loaded: now the operator's CPU kernel
-w4a8 = torch.ops.minillm.int4_a8_linear
+VNNI = tiled_a8.kernel().has_vnni()  # built or loaded: now the operator's CPU kernel
+w4a8 = tiled = torch.ops.minillm.tiled_a8_linear
 
 
 def int4_weights(N, K, group, seed=0):
@@ -60,8 +62,8 @@ def test_the_operator_gives_the_pytorch_maths(M, N, K, group):
     weights = int4_dequantize(codes, plain[..., 0].T, plain[..., 1].T)
     want = quantized_blocks(x) @ weights.t()
     assert torch.allclose(w4a8(x, tiles, sz, group), want, rtol=1e-4, atol=1e-4)
-    assert torch.allclose(int4_a8_in_pytorch(x, tiles, sz, group), want, rtol=1e-5,
-                          atol=1e-5)
+    assert torch.allclose(tiled_a8_in_pytorch(x, tiles, sz, group), want, rtol=1e-5,
+                          atol=1e-5 * want.abs().max())
     assert w4a8(x.bfloat16(), tiles, sz, group).dtype == torch.bfloat16
     assert torch.allclose(w4a8(x, tiles, sz.float(), group), w4a8(x, tiles, sz, group))
 
@@ -109,7 +111,8 @@ def test_quantize_swaps_every_linear_but_the_head():
 def test_quantize_refuses_what_the_kernel_cannot_take_before_changing_anything():
     m = nn.Sequential(nn.Linear(64, 16), nn.Linear(64, 8))
     with pytest.raises(ValueError, match=r"1: in_features=64, out_features=8; mode "
-                                         r"'int4-a8' needs"):
+                                         r"'int4-a8' needs in_features divisible by 32 "
+                                         r"and out_features by 16"):
         quantize(m, "int4-a8", skip=())
     assert all(type(layer) is nn.Linear for layer in m)
     with pytest.raises(ValueError, match=r"group_size=48; mode 'int4-a8' takes one of"):
@@ -128,7 +131,7 @@ def test_load_model_quantizes_on_load_to_the_same_layers():
 def test_the_mode_is_registered_in_one_place_for_a_fresh_process():
     code = ("import sys, torch.nn as nn\nfrom minillm.quant import quantize\n"
             "m = quantize(nn.Sequential(nn.Linear(64, 16)), 'int4-a8', skip=())\n"
-            "print(type(m[0]).__name__, 'minillm.w4a8_cpu' in sys.modules)")
+            "print(type(m[0]).__name__, 'minillm.tiled_a8' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.split() == ["Int4A8Linear", "True"]
@@ -152,7 +155,7 @@ def test_the_compiled_engine_calls_the_operator_in_its_step():
     engine.step()  # the first decode step compiles
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
         engine.step()  # one compiled decode step
-    calls = [e for e in p.events() if e.name == "minillm::int4_a8_linear"]
+    calls = [e for e in p.events() if e.name == "minillm::tiled_a8_linear"]
     assert len(calls) == 4 * len(model.layers)  # fused: q/k/v, o, gate/up, down
     while engine.has_unfinished():
         engine.step()
@@ -161,13 +164,11 @@ def test_the_compiled_engine_calls_the_operator_in_its_step():
 
 def test_the_benchmarks_run_the_mode_in_float32_with_an_int8_a8_head_in_blocks():
     from minillm.bench.measure import FAST_MODES, fast_copy
-    from minillm.w8a8_cpu import Int8A8Linear
     fast = fast_copy(load_model(bundled_model_path()), "int4-a8")
     assert type(fast.layers[0].mlp.up_proj) is Int4A8Linear
-    assert isinstance(fast.lm_head, Int8A8Linear) and fast.lm_head.group_size == 32
+    assert type(fast.lm_head) is Int8A8Tiles  # 8 bits, blocks of 32: as Q8_0
     assert fast.norm.weight.dtype == torch.float32
-    assert FAST_MODES["int4-a8"].label("int4-a8") == (
-        "int4-a8 + int8-a8 head in blocks of 32")
+    assert FAST_MODES["int4-a8"].label("int4-a8") == "int4-a8 + int8-a8-tiles head"
 
 
 def test_a_model_in_the_mode_stays_close_to_chapter_5s_int4():
@@ -180,3 +181,43 @@ def test_a_model_in_the_mode_stays_close_to_chapter_5s_int4():
         a, b, ref = (m(ids, positions).float() for m in (ours, int4, model))
     # 8-bit activations add little to 4-bit weights' error
     assert (a - ref).pow(2).mean() < 1.5 * (b - ref).pow(2).mean()
+
+
+@pytest.mark.parametrize("N,K", [(16, 64), (48, 192), (96, 576)])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 33])
+def test_int8_tiles_give_blockwise_linear(M, N, K):
+    g = torch.Generator().manual_seed(M)
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    scale = torch.rand(N, K // 32, generator=g) / 100  # a scale per 32 weights
+    x = torch.randn(M, K) * torch.rand(M, K) * 4
+    x[0, :32] = 0.0
+    want = blockwise_linear(x, w, scale)
+    tiles, scales = tile_int8(w).view(N, K), tile_scales(scale)
+    assert torch.allclose(tiled(x, tiles, scales, 32), want, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(tiled_a8_in_pytorch(x, tiles, scales, 32), want, rtol=1e-4,
+                          atol=1e-5 * want.abs().max())
+    batch = tiled(x, tiles, scales, 32)
+    assert all(torch.equal(tiled(x[i:i + 1], tiles, scales, 32), batch[i:i + 1])
+               for i in range(M))
+
+
+def test_the_int8_tile_layer_is_section_6s_layer_in_blocks_of_32():
+    linear = nn.Linear(192, 48)
+    ours = Int8A8Tiles.from_linear(linear)
+    rows = Int8A8Linear.from_linear(linear, 32)
+    assert ours.group_size == 32 and ours.scale.shape == (3, 6, 16)
+    assert torch.equal(ours.weight, tile_int8(rows.weight).view(48, 192))
+    x = torch.randn(5, 192)
+    assert torch.allclose(ours(x), rows(x), rtol=1e-4, atol=1e-5)
+    loaded = load_model(bundled_model_path(), quantization="int8-a8-tiles")
+    swapped = quantize(load_model(bundled_model_path()), "int8-a8-tiles")
+    a, b = loaded.layers[1].mlp.gate_proj, swapped.layers[1].mlp.gate_proj
+    assert type(a) is Int8A8Tiles and torch.equal(a.weight, b.weight)
+    assert torch.equal(a.scale, b.scale)
+    with pytest.raises(ValueError, match=r"group_size=64; mode 'int8-a8-tiles' takes "
+                                         r"one of \(None, 32\)"):
+        quantize(nn.Sequential(nn.Linear(64, 16)), "int8-a8-tiles", group_size=64,
+                 skip=())
+    parts = [Int8A8Tiles.from_linear(nn.Linear(64, n, bias=False)) for n in (32, 16)]
+    assert torch.equal(stack_rows(parts)(x[:, :64]),
+                       torch.cat([p(x[:, :64]) for p in parts], -1))
