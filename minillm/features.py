@@ -24,6 +24,8 @@ FEATURES: dict[str, tuple[str, ...]] = {
                                     "minillm.kv.paged"),                 # chapter 6
     "minillm.kv.base.DEFAULT_KV_CACHE": ("minillm.kv.paged",),           # chapter 6
     "minillm.engine.scheduler.SCHEDULERS": ("minillm.engine.paged_scheduler",),  # 6
+    "minillm.engine.llm_engine.REQUEST_EXTRAS": ("minillm.engine.cache_salt",),  # 6a
+    "minillm.kv.paged.BLOCK_KEY_EXTRAS": ("minillm.engine.cache_salt",),     # 6a
     "minillm.engine.config.ENGINE_OPTIONS": ("minillm.engine.graphs",    # chapter 7
                                              "minillm.fused",            # chapter 7
                                              "minillm.engine.compiled",  # its appendix

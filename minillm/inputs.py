@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import numbers
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 
 class TextPrompt(TypedDict):
     """A prompt as text, tokenized by the engine: {"prompt": "..."} (vLLM's)."""
     prompt: str
+    cache_salt: NotRequired[str]  # chapter 6's appendix: who may share its K/V
 
 
 class _Ids(TypedDict):
@@ -21,25 +22,29 @@ class TokensPrompt(_Ids, total=False):
     """A prompt as token ids: {"prompt_token_ids": [...]}; "prompt", its text, is
     optional and only shown in the output (vLLM's)."""
     prompt: str
+    cache_salt: str
 
 
-def unpack_prompt(prompt, name: str = "prompt") -> tuple:
+def unpack_prompt(prompt, name: str = "prompt", extras=()) -> tuple:
     """One prompt in any of vLLM's forms -> (text or token ids for the engine, the
-    text shown in the output or None). Anything else: a ValueError naming it (as
-    `name`, e.g. "prompts[2]")."""
+    text shown in the output or None, the dict's other keys). `extras`: the other
+    keys a dict may have (the engine's REQUEST_EXTRAS, as vLLM's cache_salt).
+    Anything else: a ValueError naming it (as `name`, e.g. "prompts[2]")."""
     if isinstance(prompt, str) or is_token_ids(prompt, empty=True):
-        return prompt, prompt if isinstance(prompt, str) else None
+        return prompt, prompt if isinstance(prompt, str) else None, {}
     why = ""
     if isinstance(prompt, dict):
         ids, text = prompt.get("prompt_token_ids"), prompt.get("prompt")
-        extra = sorted(map(repr, set(prompt) - {"prompt_token_ids", "prompt"}))
+        more = {k: v for k, v in prompt.items()
+                if k not in ("prompt_token_ids", "prompt")}
+        extra = sorted(map(repr, set(more) - set(extras)))
         if extra:  # e.g. vLLM's multi_modal_data: nothing here reads it
             why = f" (keys {', '.join(extra)} are not supported)"
         elif ids is None and isinstance(text, str):
-            return text, text
+            return text, text, more
         elif is_token_ids(ids, empty=True) and (text is None
                                                 or isinstance(text, str)):
-            return ids, text
+            return ids, text, more
     raise ValueError(f"{name}={prompt!r:.80} is not a prompt{why}: give text, "
                      "token ids, {'prompt': text} or {'prompt_token_ids': [ids]}")
 

@@ -6,19 +6,15 @@ small C++ kernel for the CPU), as the compiled decode step's attention_backend."
 from __future__ import annotations
 
 import functools
-import logging
-import time
 
 import torch
-from torch.utils.cpp_extension import load_inline
 
 from .engine.compiled import DECODE_ATTENTION
-
-_log = logging.getLogger("minillm")
+from .kernels.build import build_cpu_kernel
 
 # %% auto #0
-__all__ = ['PAGED_DECODE_CHUNK', 'PAGED_DECODE_ROWS', 'PAGED_DECODE_OP', 'HEAD_DIMS', 'CPP_HEADERS', 'attend_pages',
-           'build_cpu_kernel', 'kernel', 'paged_decode', 'PagesInPlace']
+__all__ = ['PAGED_DECODE_CHUNK', 'PAGED_DECODE_ROWS', 'PAGED_DECODE_OP', 'HEAD_DIMS', 'attend_pages', 'kernel', 'paged_decode',
+           'PagesInPlace']
 
 # %% ../chapters/07a_cpu_speed.ipynb #c99g-pages
 def attend_pages(q, k_pool, v_pool, table: list[int], length: int,
@@ -159,27 +155,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 TORCH_LIBRARY_IMPL(minillm, CPU, m) { m.impl("paged_decode", &paged_decode); }
 """
 HEAD_DIMS = (32, 64, 128)  # the head sizes the kernel is built for
-
-
-CPP_HEADERS = ("#include <torch/extension.h>\n#include <ATen/Parallel.h>\n"
-               "#include <cmath>\n#include <memory>\n#include <vector>\n"
-               "#if defined(__x86_64__)\n#include <immintrin.h>\n#endif\n")
-
-
-def build_cpu_kernel(name: str, what: str, functions: list[str], sources: str,
-                     fast_math: bool = False):
-    """C++ sources built once per machine for this CPU (-march=native), with the
-    compiler torch.compile uses; PyTorch keeps the build, and a later process loads
-    it in a second or so. A TORCH_LIBRARY_IMPL in the sources registers its kernel
-    as the module loads."""
-    _log.info(f"building {what} (once per machine, ~30 s)")
-    start = time.perf_counter()
-    module = load_inline(
-        name, functions=functions, cpp_sources=CPP_HEADERS + sources,
-        extra_cflags=["-O3", "-march=native", "-fopenmp"] + ["-ffast-math"] * fast_math,
-        extra_ldflags=["-fopenmp"])
-    _log.info(f"{what} ready in {time.perf_counter() - start:.1f} s")
-    return module
 
 
 @functools.cache

@@ -161,6 +161,8 @@ class Sequence:
     index: int = 0                         # which of the prompt's n answers (Chapter 4)
     logprobs: list | None = None           # per token {id: Logprob}, when asked for
     prompt_logprobs: list | None = None    # per prompt token, when asked (engine)
+    extras: dict = field(default_factory=dict)  # per-request data of later
+    #   chapters (a cache salt, an adapter): the engine's add_request(..., **extras)
     cumulative_logprob: float | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

@@ -12,7 +12,7 @@ import torch
 
 from .fused import ROWS
 from .loader import QUANTIZATIONS
-from .paged_decode import build_cpu_kernel
+from .kernels.build import build_cpu_kernel
 from .quant import (GROUPED_MODES, INT4_GROUPS, MODES, ON_LOAD, TARGET_CHECKS,
                            Int4Linear, absmax_quantize, int4_dequantize,
                            int4_quantize, int8_layers_on_meta)

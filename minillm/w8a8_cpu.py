@@ -10,7 +10,7 @@ import functools
 import torch
 
 from .loader import QUANTIZATIONS
-from .paged_decode import build_cpu_kernel
+from .kernels.build import build_cpu_kernel
 from .quant import (GROUPED_MODES, MODES, ON_LOAD, TARGET_CHECKS,
                            PackedInt8Linear)
 from .quant import int8_layers_on_meta

@@ -38,7 +38,8 @@ BOTH = [  # (field, value, status) on both endpoints
     ("bad_words", ["x"], NO), ("spaces_between_special_tokens", False, NO),
     ("guided_decoding_backend", "xgrammar", NO), ("guided_whitespace_pattern", " ", NO),
     ("priority", 1, NO), ("request_id", "r-1", NO), ("logits_processors", ["x"], NO),
-    ("return_tokens_as_token_ids", True, NO), ("cache_salt", "s", NO),
+    ("return_tokens_as_token_ids", True, NO), ("cache_salt", "s", OK),
+    ("cache_salt", "", NO), ("cache_salt", 7, NO),
     ("vllm_xargs", {"a": 1}, NO), ("no_such_field", 1, NO),
 ]
 COMPLETIONS = [("echo", True, OK), ("logprobs", 2, OK), ("prompt_logprobs", 1, OK),

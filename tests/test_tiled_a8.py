@@ -25,7 +25,19 @@ from minillm.tiled_a8 import (Int4A8Linear, Int8A8Tiles, tile_int4, tile_int8,
 from minillm.w8a8_cpu import Int8A8Linear, blockwise_linear, quantized_blocks
 
 torch.set_num_threads(2)
-VNNI = tiled_a8.kernel().has_vnni()  # built or loaded: now the operator's CPU kernel
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernel_loaded():
+    """Built or loaded when the first test runs (collecting builds nothing): from
+    then on the operator's CPU kernel."""
+    tiled_a8.kernel()
+
+
+def vnni() -> bool:
+    return tiled_a8.kernel().has_vnni()
+
+
 w4a8 = tiled = torch.ops.minillm.tiled_a8_linear
 
 
@@ -77,7 +89,7 @@ def test_a_row_gives_the_same_bits_alone_or_in_a_batch():
 
 
 def test_the_kernel_refuses_shapes_it_cannot_tile():
-    if not VNNI:
+    if not vnni():
         pytest.skip("this CPU has no AVX-512 VNNI")
     *_, tiles, sz = int4_weights(16, 64, 32)
     with pytest.raises(RuntimeError, match="N a multiple of 16"):

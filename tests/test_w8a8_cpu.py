@@ -21,7 +21,19 @@ from minillm.utils import bundled_model_path
 from minillm.w8a8_cpu import Int8A8Linear, blockwise_linear, folded_blocks
 
 torch.set_num_threads(2)
-VNNI = w8a8_cpu.kernel().has_vnni()  # built or loaded: now the operator's CPU kernel
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernel_loaded():
+    """Built or loaded when the first test runs (collecting builds nothing): from
+    then on the operator's CPU kernel."""
+    w8a8_cpu.kernel()
+
+
+def vnni() -> bool:
+    return w8a8_cpu.kernel().has_vnni()
+
+
 a8 = torch.ops.minillm.int8_a8_linear
 
 
@@ -74,7 +86,7 @@ def test_the_pytorch_version_for_cpus_without_vnni_computes_the_same_maths(block
 
 
 def test_the_kernel_refuses_a_row_length_it_cannot_load_whole():
-    if not VNNI:
+    if not vnni():
         pytest.skip("this CPU has no AVX-512 VNNI")
     w, scale = weights(8, 96)
     with pytest.raises(RuntimeError, match="multiple of 64"):

@@ -7,22 +7,24 @@ from __future__ import annotations
 import torch
 
 from .. import features
-from .llm_engine import LLMEngine
+from .llm_engine import REQUEST_EXTRAS, LLMEngine
 from .outputs import RequestOutput, final_output
 from ..inputs import is_token_ids, unpack_prompt
 from ..sampling import SamplingParams
 
 
-def _prompt_list(prompts) -> tuple[list, list]:
+def _prompt_list(prompts) -> tuple[list, list, list]:
     """One prompt or a list/tuple of them, in any of vLLM's forms (text, token ids,
-    TextPrompt, TokensPrompt): (what the engine takes, what the outputs show)."""
+    TextPrompt, TokensPrompt): (what the engine takes, what the outputs show, each
+    prompt dict's request extras, as {"prompt": ..., "cache_salt": ...})."""
     one = isinstance(prompts, (str, dict)) or is_token_ids(prompts)
     if not one and not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts={prompts!r:.60}: give a prompt (text, token ids "
                          "or a prompt dict) or a list of prompts")
-    pairs = ([unpack_prompt(prompts, "prompts")] if one else
-             [unpack_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)])
-    return [p for p, _ in pairs], [shown for _, shown in pairs]
+    extras = features.registry(REQUEST_EXTRAS)
+    got = ([unpack_prompt(prompts, "prompts", extras)] if one else
+           [unpack_prompt(p, f"prompts[{i}]", extras) for i, p in enumerate(prompts)])
+    return [p for p, _, _ in got], [shown for _, shown, _ in got], [e for *_, e in got]
 
 
 MODEL_LOADERS: dict = {}  # option -> load(path, options, dtype, device, quantization):
@@ -87,7 +89,7 @@ def _check_generate(prompts, sampling_params, use_tqdm: bool) -> tuple:
     params = sampling_params
     if not isinstance(use_tqdm, bool):
         raise ValueError(f"use_tqdm={use_tqdm!r}: must be True or False")
-    prompts, shown = _prompt_list(prompts)
+    prompts, shown, extras = _prompt_list(prompts)
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt")
     if isinstance(params, (list, tuple)):
@@ -96,7 +98,7 @@ def _check_generate(prompts, sampling_params, use_tqdm: bool) -> tuple:
                              "give one SamplingParams, or one per prompt")
     else:
         params = [params] * len(prompts)
-    return prompts, shown, params
+    return prompts, shown, params, extras
 
 
 def _forget(engine: LLMEngine, ids: list[str]) -> None:
@@ -138,12 +140,12 @@ class LLM:
         """prompts: one prompt or a list (text, token ids, {"prompt": text} or
         {"prompt_token_ids": ids}); sampling_params: one for all or one per
         prompt. Returns the outputs in the order of the prompts."""
-        prompts, shown, params = _check_generate(prompts, sampling_params,
-                                                 use_tqdm)
+        prompts, shown, params, extras = _check_generate(prompts, sampling_params,
+                                                         use_tqdm)
         ids = []
         try:  # all requests are checked before any runs; a bad one adds none
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, more in zip(prompts, params, extras):
+                ids.append(self.engine.add_request(prompt, p, **more))
         except BaseException:
             _forget(self.engine, ids)
             raise
@@ -241,8 +243,9 @@ def _stream(self, prompt, params: SamplingParams | None = None) -> "TextStream":
     if params is not None and getattr(params, "n", 1) != 1:
         raise ValueError(f"n={params.n}: a stream is one answer; use n=1, or "
                          "LLMEngine.step() for n answers")
-    prompt, _ = unpack_prompt(prompt)  # any of vLLM's forms
-    return TextStream(self.engine, self.engine.add_request(prompt, params))
+    prompt, _, extras = unpack_prompt(  # any of vLLM's forms
+        prompt, extras=features.registry(REQUEST_EXTRAS))
+    return TextStream(self.engine, self.engine.add_request(prompt, params, **extras))
 
 
 def _get_tokenizer(self):

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import time
 
+from .. import features
 from .config import EngineConfig
 from .outputs import CompletionOutput, RequestOutput, StepRecord
 from .runner import ModelRunner, prompt_logprobs
@@ -18,6 +19,20 @@ from ..sequence import Sequence
 
 REQUEST_CHECKS: list = []  # (engine, seq) -> None or raise ValueError: a later
 #                  chapter's check of a request before it is queued (chapter 11)
+REQUEST_EXTRAS: dict = {}  # name -> check(value) -> what seq.extras keeps: a later
+#   chapter's per-request data, as vLLM's cache_salt (chapter 6's appendix)
+
+
+def check_extras(extras: dict) -> dict:
+    """add_request's keyword arguments after its four: each a later chapter's
+    (REQUEST_EXTRAS), checked by its own check; None means "not given"."""
+    known = features.registry(REQUEST_EXTRAS)
+    unknown = sorted(set(extras) - set(known))
+    if unknown:
+        raise ValueError(f"{unknown}: not an argument of add_request; it takes "
+                         "prompt, params, request_id, arrival_time and "
+                         f"{sorted(known)}")
+    return {k: known[k](v) for k, v in extras.items() if v is not None}
 
 
 def check_model_and_tokenizer(model, tokenizer) -> None:
@@ -34,7 +49,7 @@ def check_model_and_tokenizer(model, tokenizer) -> None:
                          "give a minillm Tokenizer, a transformers one, or None")
 
 # %% auto #0
-__all__ = ['REQUEST_CHECKS', 'check_model_and_tokenizer', 'LLMEngine']
+__all__ = ['REQUEST_CHECKS', 'REQUEST_EXTRAS', 'check_extras', 'check_model_and_tokenizer', 'LLMEngine']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43-engine
 class LLMEngine:
@@ -68,14 +83,17 @@ class LLMEngine:
 # %% ../../chapters/04_continuous_batching.ipynb #c43b-engine
 def _add_request(self, prompt, params: SamplingParams | None = None,
                 request_id: str | None = None,
-                arrival_time: float | None = None) -> str:
+                arrival_time: float | None = None, **extras) -> str:
     """Queue one request (text or token ids). Everything is checked first: a bad
     request raises ValueError and changes nothing. With params.n > 1 the request
-    has n answers, each with its own random numbers."""
+    has n answers, each with its own random numbers. `extras`: later chapters'
+    per-request data by name (REQUEST_EXTRAS), kept in seq.extras."""
+    extras = check_extras(extras)
     prompt, request_id = self._check_request(prompt, request_id,
                                              getattr(params, "n", 1))
     seq = Sequence.create(self.model, prompt, params, self.tokenizer, request_id,
                           arrival_time, self.max_model_len)  # max_tokens=None: the rest
+    seq.extras = extras
     self._check_fits(seq)
     self._prompt_logprobs(seq)  # only if asked: one forward over the prompt
     seqs = [seq] + [self._answer(seq, i) for i in range(1, seq.params.n)]
@@ -156,6 +174,7 @@ def _answer(self, seq: Sequence, i: int) -> Sequence:
     child = Sequence.create(self.model, seq.prompt_ids, params, self.tokenizer,
                             child_id, seq.arrival_time)
     child.index, child.prompt_logprobs = i, seq.prompt_logprobs
+    child.extras = seq.extras  # the same cache salt, ...
     return child
 
 

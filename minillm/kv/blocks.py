@@ -58,6 +58,7 @@ class BlockManager:
         self.tables: dict[str, list[int]] = {}   # request id -> its blocks, in order
         self.pending: dict[str, list[tuple]] = {}  # (end, block, hash, key)
         self.request_keys: dict[str, list] = {}  # request id -> its blocks' keys
+        self.extra_keys: dict[str, bytes] = {}   # request id -> its chain's start
         self.unpublished: set[str] = set()       # computed before a reset: never shared
         self.hits = self.queries = 0             # prefix-cache statistics, in blocks
 
@@ -69,11 +70,12 @@ class BlockManager:
         return -(-num_tokens // self.block_size)  # ceil
 
 # %% ../../chapters/06_paged_attention.ipynb #c20-blocks-checks
-def _check_allocate(bm: BlockManager, request_id: str, token_ids: list[int]) -> None:
+def _check_allocate(bm: BlockManager, request_id: str, token_ids: list[int],
+                    extra_key: bytes) -> None:
     """Before allocate: the request holds no blocks yet, and its blocks are free."""
     if request_id in bm.tables:
         raise ValueError(f"request {request_id!r} holds blocks already")
-    if not bm.can_allocate(token_ids, request_id):
+    if not bm.can_allocate(token_ids, request_id, extra_key):
         raise RuntimeError("not enough free blocks: ask can_allocate first")
 
 
@@ -102,24 +104,26 @@ def _check(self) -> None:
 BlockManager.check = _check
 
 # %% ../../chapters/06_paged_attention.ipynb #c20-blocks-s0
-def _can_allocate(self, token_ids: list[int], request_id: str | None = None) -> bool:
+def _can_allocate(self, token_ids: list[int], request_id: str | None = None,
+                  extra_key: bytes = b"") -> bool:
     """Are there enough free blocks for these tokens (cached blocks count once)?"""
-    shared = self.cached_prefix(token_ids, request_id)
+    shared = self.cached_prefix(token_ids, request_id, extra_key)
     revived = sum(1 for b in shared if self.ref_count[b] == 0)  # free, reused
     new = self.blocks_for(len(token_ids)) - len(shared)
     return new + revived <= self.num_free
 
 
-def _allocate(self, request_id: str, token_ids: list[int]) -> int:
+def _allocate(self, request_id: str, token_ids: list[int],
+              extra_key: bytes = b"") -> int:
     """Give a request the blocks for its tokens; returns how many of its first
     tokens are already in the cache (their prefill can be skipped)."""
-    _check_allocate(self, request_id, token_ids)
-    shared = self.cached_prefix(token_ids, request_id)
+    _check_allocate(self, request_id, token_ids, extra_key)
+    shared = self.cached_prefix(token_ids, request_id, extra_key)
     table = []
     for block in shared:
         self._take(block)
         table.append(block)
-    keys = self.block_keys(token_ids, request_id)
+    keys = self.block_keys(token_ids, request_id, extra_key)
     pending = []
     for i in range(len(shared), self.blocks_for(len(token_ids))):
         block = self._take(self._evict())
@@ -159,6 +163,7 @@ def _free(self, request_id: str) -> None:
     """Give back a request's blocks (`release`, below) and forget its names."""
     self.release(self.tables.pop(request_id, []))
     self.request_keys.pop(request_id, None)
+    self.extra_keys.pop(request_id, None)
     self.pending.pop(request_id, None)  # never written: do not publish
     self.unpublished.discard(request_id)
 
@@ -199,14 +204,18 @@ def _take(self, block: int) -> int:
 BlockManager._evict, BlockManager._take = _evict, _take
 
 # %% ../../chapters/06_paged_attention.ipynb #c20b-blocks
-def _block_keys(self, token_ids: list[int],
-                request_id: str | None = None) -> list[tuple[bytes, tuple]]:
+def _block_keys(self, token_ids: list[int], request_id: str | None = None,
+                extra_key: bytes = b"") -> list[tuple[bytes, tuple]]:
     """(hash, key) per *full* block: key = (the previous block's hash, its token
-    ids), hash = SHA-256 of the key. Equal hashes mean equal prefixes. A request's
-    tokens only grow: with its id, each block is hashed once, kept until free()."""
+    ids), hash = SHA-256 of the key. Equal hashes mean equal prefixes. The first
+    block's "previous hash" is `extra_key`: b"", or what else two requests must
+    share to share K/V (a later chapter's salt). A request's tokens only grow:
+    with its id, each block is hashed once, kept until free()."""
     out = [] if request_id is None else self.request_keys.setdefault(request_id, [])
+    if request_id is not None:  # its first call decides where its chain starts
+        extra_key = self.extra_keys.setdefault(request_id, extra_key)
     bs = self.block_size
-    prev = out[-1][0] if out else b""
+    prev = out[-1][0] if out else extra_key
     for start in range(len(out) * bs, len(token_ids) - bs + 1, bs):
         tokens = tuple(token_ids[start:start + bs])
         h = hashlib.sha256(prev + struct.pack(f"<{bs}q", *tokens)).digest()
@@ -223,8 +232,8 @@ def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
 BlockManager.block_keys, BlockManager.block_hashes = _block_keys, _block_hashes
 
 # %% ../../chapters/06_paged_attention.ipynb #c20b-blocks2
-def _cached_prefix(self, token_ids: list[int],
-                   request_id: str | None = None) -> list[int]:
+def _cached_prefix(self, token_ids: list[int], request_id: str | None = None,
+                   extra_key: bytes = b"") -> list[int]:
     """The cached blocks this token list starts with. The last token is always
     left to compute (its logits give the next token), so at most
     (len - 1) // block_size blocks. A hit counts only if the block's key (the
@@ -233,7 +242,7 @@ def _cached_prefix(self, token_ids: list[int],
         return []
     found = []
     usable = (len(token_ids) - 1) // self.block_size
-    for h, key in self.block_keys(token_ids, request_id)[:usable]:
+    for h, key in self.block_keys(token_ids, request_id, extra_key)[:usable]:
         block = self.cached.get(h)
         if block is None or self.key_of.get(block) != key:
             break
@@ -291,6 +300,7 @@ def _fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple | None:
     table.append(self._take(self._evict()))
     self.tables[child_id] = table
     self.pending[child_id] = []  # the parent names the shared blocks
+    self.extra_keys[child_id] = self.extra_keys.get(parent_id, b"")
     if last % self.block_size == 0:
         return None  # the child's block starts at its own first position
     return parent[last // self.block_size], table[-1]

@@ -3,10 +3,12 @@
 # %% ../../chapters/06_paged_attention.ipynb #c30-paged-imports
 from __future__ import annotations
 
+import hashlib
 import itertools
 
 import torch
 
+from .. import features
 from .base import PackedSteps, register_kv_backend
 from .blocks import BlockManager, check_block_size
 from .contiguous import (KVCache, KVMemoryError, check_kv_fits,
@@ -41,9 +43,23 @@ def token_ids(seq: Sequence, more: list[int] = ()) -> TokenView:
     """Every token of a request so far: its prompt and what it generated."""
     return TokenView(seq.prompt_ids, seq.output_ids, more)
 
+
+BLOCK_KEY_EXTRAS: dict = {}  # name -> (seq) -> a value or None: what else, besides
+#   its tokens, two requests must share to share K/V (the appendix: cache_salt)
+
+
+def extra_key(seq: Sequence) -> bytes:
+    """Where the request's chain of block hashes starts: b"" when no extra applies
+    (the tokens alone), else a hash of every extra's name and value."""
+    parts = [(name, key(seq)) for name, key
+             in sorted(features.registry(BLOCK_KEY_EXTRAS).items())]
+    parts = [p for p in parts if p[1] is not None]
+    return hashlib.sha256(repr(parts).encode()).digest() if parts else b""
+
 # %% auto #0
-__all__ = ['DEFAULT_KV_SPACE', 'TokenView', 'token_ids', 'PagedKVCache', 'weights_version', 'check_utilization',
-           'check_paged_options', 'kv_bytes_from_memory', 'profile_kv_bytes', 'default_pool_blocks', 'paged_cache']
+__all__ = ['BLOCK_KEY_EXTRAS', 'DEFAULT_KV_SPACE', 'TokenView', 'token_ids', 'extra_key', 'PagedKVCache', 'weights_version',
+           'check_utilization', 'check_paged_options', 'kv_bytes_from_memory', 'profile_kv_bytes',
+           'default_pool_blocks', 'paged_cache']
 
 # %% ../../chapters/06_paged_attention.ipynb #c30-paged
 class PagedKVCache(PackedSteps, KVCache):
@@ -141,18 +157,19 @@ PagedKVCache.from_model = classmethod(_from_model)
 # %% ../../chapters/06_paged_attention.ipynb #c30b-paged
 # --- the scheduler's memory interface (the same calls as chapter 4's slots) ---
 def _can_allocate(self, seq: Sequence) -> bool:
-    return self.blocks.can_allocate(token_ids(seq), seq.request_id)
+    return self.blocks.can_allocate(token_ids(seq), seq.request_id, extra_key(seq))
 
 
 def _allocate(self, seq: Sequence) -> int:
     """Its blocks; returns how many of its tokens the prefix cache held."""
-    return self.blocks.allocate(seq.request_id, token_ids(seq))
+    return self.blocks.allocate(seq.request_id, token_ids(seq), extra_key(seq))
 
 
 def _cached_tokens(self, seq: Sequence) -> int:
     """Tokens of the request that the prefix cache holds (before allocate); a hit
     counts only if the weights that computed it are still the model's."""
-    found = self.blocks.cached_prefix(token_ids(seq), seq.request_id)
+    found = self.blocks.cached_prefix(token_ids(seq), seq.request_id,
+                                      extra_key(seq))
     if found and self.check_weights():  # they changed: the cache is forgotten
         found = []
     return len(found) * self.block_size

@@ -347,22 +347,23 @@ def docs_page(schema: dict) -> str:
             + "".join(rows) + "</table></body></html>")
 
 # %% ../../chapters/09_serving.ipynb #s44-submit
-async def submit(s: Server, prompt_ids: list[int], params,
-                 names: dict) -> RequestStream:
+async def submit(s: Server, prompt_ids: list[int], params, names: dict,
+                 extras: dict | None = None) -> RequestStream:
     """Hand a checked request to the engine thread; its refusal is a 400."""
     try:
-        return await s.engine.add(prompt_ids, params)
+        return await s.engine.add(prompt_ids, params, extras)
     except ValueError as e:
         raise bad_request(e, names) from None
 
 
-async def submit_all(s: Server, ids: list[list[int]], params) -> list:
+async def submit_all(s: Server, ids: list[list[int]], params,
+                     extras: dict | None = None) -> list:
     """Each prompt as its own request; if one is refused, the others are
     aborted (nothing is left running for an answer nobody will read)."""
     streams = []
     try:
         for prompt_ids in ids:
-            streams.append(await submit(s, prompt_ids, params, {}))
+            streams.append(await submit(s, prompt_ids, params, {}, extras))
     except BaseException:
         for stream in streams:
             s.engine.abort(stream.request_id)
@@ -600,7 +601,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         "prompt_logprobs": max(k, body.prompt_logprobs or 0)}
     params = body.sampling_params(1 if only else body.max_tokens, k, {}, **scored)
     check_response_size(body, [len(i) for i in ids], params.max_tokens)
-    streams = await submit_all(s, ids, params)
+    streams = await submit_all(s, ids, params, body.request_extras())
     usage, head = Usage(sum(map(len, ids))), {
         "id": f"cmpl-{streams[0].request_id}", "object": "text_completion",
         "created": int(time.time()), "model": s.model_name}
@@ -711,7 +712,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     params = body.sampling_params(max_tokens, k if body.logprobs else None,
                                   names, reply.handles, **reply.params())
     check_response_size(body, [len(prompt_ids)], max_tokens)
-    stream = await submit(s, prompt_ids, params, names)
+    stream = await submit(s, prompt_ids, params, names, body.request_extras())
     usage, head = Usage(len(prompt_ids)), {
         "id": f"chatcmpl-{stream.request_id}", "object": "chat.completion",
         "created": int(time.time()), "model": s.model_name}

@@ -50,6 +50,7 @@ class RequestStream:
     done: bool = False
     last_token: dict = field(default_factory=dict)  # index -> time (metrics)
     prompt_logprobs: list | None = None  # SamplingParams(prompt_logprobs=k)'s
+    extras: dict = field(default_factory=dict)  # add_request's: cache_salt, ...
 
     def __aiter__(self):
         return self
@@ -105,15 +106,18 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
 
 # %% ../../chapters/09_serving.ipynb #s22-add
-async def _add(self, prompt_ids: list[int], params) -> RequestStream:
+async def _add(self, prompt_ids: list[int], params,
+               extras: dict | None = None) -> RequestStream:
     """Queue one request; returns once the engine has accepted it. A full
-    queue is a 429, a request the engine refuses a 400: before any work."""
+    queue is a 429, a request the engine refuses a 400: before any work.
+    `extras`: add_request's per-request fields (cache_salt, ...)."""
     self._check_room(params.n)  # 503: not running; 429: the queue is full
     for prepare in features.registry(REQUEST_PREPARERS).values():
         await prepare(self.engine, params)  # off the engine thread (chapter 11)
     now = time.perf_counter()
     deadline = None if self.request_timeout is None else now + self.request_timeout
-    stream = RequestStream(uuid.uuid4().hex, prompt_ids, params, deadline, now)
+    stream = RequestStream(uuid.uuid4().hex, prompt_ids, params, deadline, now,
+                           extras=extras or {})
     accepted = self.loop.create_future()
     self._posted += params.n  # a request of n answers: n wait
     self._inbox.put(("add", stream, accepted))
@@ -194,7 +198,7 @@ def _on_add(self, stream: RequestStream, accepted: asyncio.Future) -> None:
     try:
         self.engine.add_request(stream.prompt_ids, stream.params,
                                 request_id=stream.request_id,
-                                arrival_time=stream.arrival)
+                                arrival_time=stream.arrival, **stream.extras)
     except ValueError as e:  # the engine refused it; nothing was added
         self._publish()
         return self._call(_settle, accepted, e)

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .. import features
+from ..engine.llm_engine import REQUEST_EXTRAS, check_extras
 from ..sampling import SamplingParams
 
 
@@ -116,6 +117,16 @@ class CommonRequest(BaseModel):
             return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
         except ValueError as e:
             raise bad_request(e, names) from None
+
+    def request_extras(self) -> dict:
+        """The engine's per-request fields this request sets (REQUEST_EXTRAS, as
+        chapter 6's cache_salt), checked as add_request checks them: a 400."""
+        known = features.registry(REQUEST_EXTRAS)
+        try:
+            return check_extras({k: v for k, v in (self.model_extra or {}).items()
+                                 if k in known})
+        except ValueError as e:
+            raise bad_request(e) from None
 
 # %% ../../chapters/09_serving.ipynb #s12a-message
 class ChatMessage(BaseModel):
@@ -238,8 +249,9 @@ def check_request(body, handles=()) -> None:
     is a 400 naming the field, never silently ignored. `handles`: fields of
     OFF that the route acts on (chapter 11's tool calls)."""
     supported = features.registry(REQUEST_FIELDS)  # chapter 11: response_format
-    unknown = [f for f in (body.model_extra or {})
-               if f not in supported and f not in OFF and f not in NO_OPS]
+    extras = features.registry(REQUEST_EXTRAS)  # the engine's: cache_salt
+    unknown = [f for f in (body.model_extra or {}) if f not in supported
+               and f not in OFF and f not in NO_OPS and f not in extras]
     if unknown:  # accepted and dropped would be a wrong answer, not an error
         raise APIError(400, f"{unknown[0]}: this server does not support the "
                        "field; leave it out (a field it does not act on is "
