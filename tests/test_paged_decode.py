@@ -125,7 +125,7 @@ def test_in_place_gives_the_gather_tokens_in_float32(wide_heads):
 def test_the_option_and_its_checks(llama, wide_heads):
     with pytest.raises(ValueError, match=r"attention_backend='flash': allowed \['gather', 'in_place'\]"):
         LLMEngine(wide_heads, compile_decode=True, attention_backend="flash")
-    with pytest.raises(ValueError, match="add compile_decode=True"):
+    with pytest.raises(ValueError, match="needs compile_decode=True"):
         LLMEngine(wide_heads, kv_cache="paged", attention_backend="in_place")
     with pytest.raises(ValueError, match="head_dim 16: use attention_backend='gather'"):
         LLMEngine(llama[1], kv_cache="paged", compile_decode=True,

@@ -73,3 +73,4 @@ def test_the_readmes_server_snippet_prints_what_it_says(tmp_path):
         log.close()
     said = (tmp_path / "server.log").read_text()
     assert said.count(f"minillm: {ms.SMOLLM2}: ") == 1, said  # where the weights came from
+    assert "\nKV cache           paged (chapter 6)" in said, said  # what runs (describe)

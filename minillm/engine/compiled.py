@@ -139,22 +139,15 @@ def inductor_compile_config_option(config: dict | None) -> dict | None:
     return dict(config)
 
 
-def _compiled_only(option: str):
-    """The apply of an option that sets how the compiled decode step runs."""
-    def apply(engine, value) -> None:
-        if engine.config.options.get("compile_decode") is None:
-            raise ValueError(f"{option}={value!r} chooses how the compiled decode "
-                             "step runs: add compile_decode=True")
-    return apply
-
-
 register_engine_option("compile_decode", compile_decode_option, order=20,
                        apply=lambda engine, on: enable_compiled_decode(
                            engine, attention=engine.config.options.get(
                                "attention_backend") or "gather",
                            inductor=engine.config.options.get(
                                "inductor_compile_config")),
-                       excludes=("cuda_graphs",))
+                       excludes=("cuda_graphs",), part="forward")
 for _name, _check in [("attention_backend", attention_backend_option),
                       ("inductor_compile_config", inductor_compile_config_option)]:
-    register_engine_option(_name, _check, order=19, apply=_compiled_only(_name))
+    register_engine_option(_name, _check, order=19,  # compile_decode's apply reads
+                           apply=lambda engine, value: None,  # them
+                           needs={"compile_decode": True}, part="forward")

@@ -7,11 +7,12 @@ Later chapters add options of their own by name (ENGINE_OPTIONS), each with the 
 in which it is applied to a built engine."""
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import features
-from .scheduler import check_scheduler_args
+from .scheduler import SCHEDULERS, Scheduler, check_scheduler_args
 from ..kv.base import DEFAULT_KV_CACHE, KV_BACKENDS
 from ..utils import check_int
 
@@ -24,26 +25,33 @@ class EngineOption:
     out) -> the value kept in EngineConfig.options (None: off); apply(engine, value)
     once the engine's parts are built, in `order`, lower first (chapter 7's runners
     before chapter 10's wrapper around them); `excludes`: options it cannot go with;
-    `needs`: the config's values it needs (chapter 10: {"policy": "continuous"})."""
+    `needs`: the values it needs of the config's fields or of other options
+    (chapter 10: {"policy": "continuous"}; {"compile_decode": True}); `part`: which
+    part of the engine it changes, for describe() (one of PARTS)."""
     check: Callable
     apply: Callable
     order: int
     excludes: tuple[str, ...] = ()
     needs: tuple[tuple[str, object], ...] = ()
+    part: str = "model"
 
 
 ENGINE_OPTIONS: dict[str, EngineOption] = {}  # by name (chapters 7, 10, 11)
+PARTS = ("model", "forward", "proposer", "processors")  # what an option changes:
+#   the model's layers, how a forward runs, who drafts tokens, the logits
 
 
 def register_engine_option(name: str, check: Callable, apply: Callable, order: int,
                            excludes: tuple[str, ...] = (),
-                           needs: dict | None = None) -> None:
+                           needs: dict | None = None, part: str = "model") -> None:
+    if part not in PARTS:
+        raise ValueError(f"part={part!r}: allowed {PARTS}")
     ENGINE_OPTIONS[name] = EngineOption(check, apply, order, tuple(excludes),
-                                        tuple((needs or {}).items()))
+                                        tuple((needs or {}).items()), part)
 
 # %% auto #0
-__all__ = ['MAX_NUM_SEQS', 'ENGINE_OPTIONS', 'FIELDS', 'EngineOption', 'register_engine_option', 'EngineConfig',
-           'check_engine_config']
+__all__ = ['MAX_NUM_SEQS', 'ENGINE_OPTIONS', 'PARTS', 'FIELDS', 'EngineOption', 'register_engine_option', 'EngineConfig',
+           'check_engine_config', 'chapter_of']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c42a-config
 @dataclass
@@ -66,12 +74,13 @@ class EngineConfig:
     @classmethod
     def create(cls, model, **kwargs) -> "EngineConfig":
         """LLMEngine's arguments sorted: this class's fields, the backend's options
-        and the later chapters' options (ENGINE_OPTIONS); anything else refused."""
+        and the later chapters' options (ENGINE_OPTIONS); anything else refused.
+        `model`: the model, or its ModelConfig (LLM checks before loading)."""
         ours = {k: kwargs.pop(k) for k in list(kwargs) if k in FIELDS}
         options = {k: kwargs.pop(k) for k in list(kwargs)
                    if k in features.registry(ENGINE_OPTIONS)}
-        return cls(model.config.context_length, **ours, kv_options=kwargs,
-                   options=options)
+        return cls(getattr(model, "config", model).context_length, **ours,
+                   kv_options=kwargs, options=options)
 
     def ordered_options(self) -> list[tuple[str, EngineOption, object]]:
         """The options that are on, in the order they apply."""
@@ -121,6 +130,54 @@ def check_engine_config(c: EngineConfig) -> None:
         clash = [x for x in option.excludes if c.options.get(x) is not None]
         if clash:
             raise ValueError(f"{name} and {clash[0]} cannot go together: give one")
-        for field_name, value in option.needs:
-            if getattr(c, field_name) != value:
-                raise ValueError(f"{name} needs {field_name}={value!r}")
+        for other, value in option.needs:  # a field's value, or another option's
+            if (c.options.get(other) if other in options
+                    else getattr(c, other)) != value:
+                raise ValueError(f"{name} needs {other}={value!r}: add it, or "
+                                 f"leave {name} out")
+
+# %% ../../chapters/04_continuous_batching.ipynb #c42a-config-describe
+def chapter_of(obj) -> str:
+    """The chapter whose notebook wrote obj's module ("4", "7a"): the first line of
+    every exported module names it. "?" for anything else."""
+    import inspect
+    import re
+    try:
+        with open(inspect.getsourcefile(obj)) as f:
+            found = re.search(r"chapters/0*(\d+[a-z]?)_", f.readline())
+    except (TypeError, OSError):
+        found = None
+    return found.group(1) if found else "?"
+
+
+def _said(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."  # a model object
+
+
+def _describe(self) -> str:
+    """What the engine runs, part by part, each with the chapter that built it:
+    the one place to read it (LLM.describe() adds the model's own line)."""
+    on = self.ordered_options()
+
+    def options(part: str) -> str:
+        return ", ".join(f"{name}={_said(value)} (chapter {chapter_of(o.check)})"
+                         for name, o, value in on if o.part == part)
+    build = features.registry(KV_BACKENDS)[self.kv_cache][0]
+    scheduler = features.registry(SCHEDULERS).get(self.kv_cache, Scheduler)
+    kv = "".join(f", {k}={_said(v)}" for k, v in self.kv_options.items())
+    rows = [("model transforms", options("model") or "none"),
+            ("KV cache", f"{self.kv_cache} (chapter {chapter_of(build)}){kv}"),
+            ("scheduler", f"{scheduler.__name__} (chapter {chapter_of(scheduler)}): "
+             f"{self.policy}, max_num_seqs={self.max_num_seqs}, max_num_batched_tokens"
+             f"={self.max_num_batched_tokens}, chunked prefill "
+             f"{'on' if self.enable_chunked_prefill else 'off'}"),
+            ("forward", options("forward") or "eager (chapter 4)"),
+            ("proposer", options("proposer") or "none: one token per forward"),
+            ("logits processors", ", ".join(filter(None, [
+                "min_tokens (chapter 2)", options("processors")])))]
+    return "\n".join(textwrap.fill(what, 100, initial_indent=f"{part:<18} ",
+                                   subsequent_indent=" " * 19) for part, what in rows)
+
+
+EngineConfig.describe = _describe

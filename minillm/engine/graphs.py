@@ -279,7 +279,7 @@ def cuda_graphs_option(on: bool | None) -> bool | None:
 
 register_engine_option("cuda_graphs", cuda_graphs_option, order=10,
                        apply=lambda engine, on: enable_cuda_graphs(engine),
-                       excludes=("compile_decode",))
+                       excludes=("compile_decode",), part="forward")
 
 # %% ../../chapters/07_performance.ipynb #c76-compile
 def compile_parts(model: torch.nn.Module, **options) -> list[str]:

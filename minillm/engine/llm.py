@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import features
+from .config import EngineConfig, chapter_of
 from .llm_engine import REQUEST_EXTRAS, LLMEngine
 from .outputs import RequestOutput, final_output
 from ..inputs import is_token_ids, unpack_prompt
@@ -25,6 +26,20 @@ def _prompt_list(prompts) -> tuple[list, list, list]:
     got = ([unpack_prompt(prompts, "prompts", extras)] if one else
            [unpack_prompt(p, f"prompts[{i}]", extras) for i, p in enumerate(prompts)])
     return [p for p, _, _ in got], [shown for _, shown, _ in got], [e for *_, e in got]
+
+
+def check_before_loading(model, args: dict) -> None:
+    """The engine's whole configuration (EngineConfig: its fields, the KV backend's
+    options, every later chapter's option and the rules between them) checked
+    from the model's config.json, before LLM reads a weight or builds a kernel."""
+    if isinstance(model, torch.nn.Module):
+        config = getattr(model, "config", None)  # not a Transformer: LLMEngine says
+    else:
+        from minillm.config import ModelConfig
+        from minillm.sources import resolve_folder
+        config = ModelConfig.from_hf(resolve_folder(model))  # a folder, .gguf, name
+    if config is not None:
+        EngineConfig.create(config, **args)
 
 
 MODEL_LOADERS: dict = {}  # option -> load(path, options, dtype, device, quantization):
@@ -108,7 +123,7 @@ def _forget(engine: LLMEngine, ids: list[str]) -> None:
         engine.pop(rid)
 
 # %% auto #0
-__all__ = ['MODEL_LOADERS', 'load_for_llm', 'LLM', 'RequestError', 'TextStream']
+__all__ = ['MODEL_LOADERS', 'check_before_loading', 'load_for_llm', 'LLM', 'RequestError', 'TextStream']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45c-llm
 class LLM:
@@ -126,11 +141,15 @@ class LLM:
                  seed: int | None = None, **options):
         _check_seed(seed)
         dtype = _vllm_args(dtype, options)  # dtype="auto", enforce_eager, ...
+        args = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                    max_num_batched_tokens=max_num_batched_tokens, policy=policy,
+                    kv_cache=kv_cache, enable_chunked_prefill=enable_chunked_prefill,
+                    **options)
+        check_before_loading(model, args)  # from config.json: no weight read yet
         model, tokenizer = load_for_llm(model, tokenizer, dtype, device,
                                         quantization, options)
-        self.engine = LLMEngine(model, tokenizer, max_num_seqs, max_num_batched_tokens,
-                                max_model_len, policy, kv_cache,
-                                enable_chunked_prefill, **options)
+        self.engine = LLMEngine(model, tokenizer, **args)
+        self.quantization = quantization  # for describe()
         if seed is not None:  # requests without their own seed draw from this one
             self.engine.runner.default_generator = torch.Generator(
                 self.engine.runner.device).manual_seed(seed)
@@ -248,12 +267,23 @@ def _stream(self, prompt, params: SamplingParams | None = None) -> "TextStream":
     return TextStream(self.engine, self.engine.add_request(prompt, params, **extras))
 
 
+def _describe(self) -> str:
+    """The model as loaded, then what the engine runs (EngineConfig.describe)."""
+    m = self.engine.model
+    w = m.embed_tokens.weight
+    head = (f"{'model':<18} {type(m).__name__} (chapter {chapter_of(type(m))}): "
+            f"{len(m.layers)} layers, {w.dtype} on {w.device}, quantization="
+            f"{self.quantization!r}")
+    return head + "\n" + self.engine.config.describe()
+
+
 def _get_tokenizer(self):
     """The tokenizer that encodes prompts and decodes answers (vLLM's name)."""
     return self.engine.tokenizer
 
 
 LLM.chat, LLM.stream, LLM.get_tokenizer = _chat, _stream, _get_tokenizer
+LLM.describe = _describe
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45h-llm
 class RequestError(RuntimeError):

@@ -55,14 +55,11 @@ def load_parallel(path, world: int, dtype=None, device=None,
 
 def load_for_tp(path, options: dict, dtype, device, quantization):
     """LLM(folder, tensor_parallel_size=N): chapter 4's MODEL_LOADERS entry. The
-    options that cannot go with it are refused before any process starts."""
+    options that cannot go with it (EXCLUDES) were refused before any process
+    started: LLM checks the engine's configuration before it loads."""
     world = tensor_parallel_option(options["tensor_parallel_size"])
     if world is None:
         return None
-    clash = [x for x in EXCLUDES if options.get(x)]
-    if clash:
-        raise ValueError(f"tensor_parallel_size and {clash[0]} cannot go together: "
-                         "give one")
     return load_parallel(path, world, dtype, device, quantization)
 
 # %% ../../chapters/13_tensor_parallel.ipynb #t63-register
@@ -78,7 +75,8 @@ def start_tensor_parallel(engine, world: int) -> None:
     model.workers.attach_kv(engine)
 
 
-EXCLUDES = ("cuda_graphs", "compile_decode", "batch_invariant")
+EXCLUDES = ("cuda_graphs", "compile_decode", "batch_invariant",  # not
+            "fuse_projections")  # yet in shards: each would change rank 0 only
 MODEL_LOADERS["tensor_parallel_size"] = load_for_tp
 register_engine_option("tensor_parallel_size", tensor_parallel_option,
                        start_tensor_parallel, order=0, excludes=EXCLUDES)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -196,6 +197,7 @@ def main(argv=None) -> int:
         app = build_app(llm, args.served_model_name or args.model,
                         args.request_timeout, args.max_waiting,
                         args.max_body_bytes, api_key=args.api_key)
+    print(llm.describe(), file=sys.stderr, flush=True)  # what runs, part by part
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5, http=HeaderDeadline)
     return 0

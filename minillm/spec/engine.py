@@ -30,7 +30,8 @@ def apply_speculation(engine, c: dict) -> None:
 
 
 register_engine_option("speculative_config", speculative_option,
-                       apply_speculation, order=90, needs={"policy": "continuous"})
+                       apply_speculation, order=90, needs={"policy": "continuous"},
+                       part="proposer")
 
 # %% ../../chapters/10_speculative.ipynb #c75-config
 SPEC_METHODS = ("ngram", "draft_model")
