@@ -1,78 +1,121 @@
 """What the later chapters add to the earlier ones, named in one place (written by hand).
 
-An earlier chapter keeps a registry (a dict) that later chapters fill by name: chapter 5's
-quantization modes, chapter 6's paged KV cache and its scheduler, chapter 7's engine
-options, and so on. The registry's reader asks `registry(THE_DICT)` before it looks inside,
-which imports, once, the modules listed here for it. So what runs is decided by this file,
-not by which module happened to be imported first, and `import minillm.tokenizer` loads no
-engine.
+An earlier chapter keeps a `Registry`, a table that later chapters fill by name: chapter
+5's quantization modes, chapter 6's paged KV cache and its scheduler, chapter 7's engine
+options, and so on. REGISTRIES below says, for each of them, which module fills which
+key (or, for a table whose keys are many, which modules fill it). A key's module is
+imported the first time that key is asked for, and counted as loaded only once it has
+imported without error. So what runs is decided by this file, not by which module
+happened to be imported first; `load_model(folder)` imports no engine; and a module
+that failed to import is tried again, never left half-registered.
 """
 from __future__ import annotations
 
 import importlib
-import sys
+from collections.abc import MutableMapping
 
-# registry (the dict's module and name) -> the modules that fill it, in this order
-FEATURES: dict[str, tuple[str, ...]] = {
-    "minillm.sampling.SAMPLING_FIELDS": ("minillm.structured.params",),  # chapter 11
-    "minillm.loader.QUANTIZATIONS": ("minillm.quant",                    # chapter 5
-                                     "minillm.w8a8_cpu",                 # chapter 7
-                                     "minillm.tiled_a8"),
-    "minillm.quant.MODES": ("minillm.w8a8_cpu", "minillm.tiled_a8"),    # chapter 7
-    "minillm.loader.DTYPE_RULES": ("minillm.dtype_auto",),               # chapter 7
-    "minillm.kv.base.KV_BACKENDS": ("minillm.kv.slots",                  # chapter 4
-                                    "minillm.kv.paged"),                 # chapter 6
-    "minillm.kv.base.DEFAULT_KV_CACHE": ("minillm.kv.paged",),           # chapter 6
-    "minillm.engine.scheduler.SCHEDULERS": ("minillm.engine.paged_scheduler",),  # 6
-    "minillm.engine.llm_engine.REQUEST_EXTRAS": ("minillm.engine.cache_salt",),  # 6a
-    "minillm.kv.paged.BLOCK_KEY_EXTRAS": ("minillm.engine.cache_salt",),     # 6a
-    "minillm.engine.config.ENGINE_OPTIONS": ("minillm.engine.graphs",    # chapter 7
-                                             "minillm.fused",            # chapter 7
-                                             "minillm.engine.compiled",  # its appendix
-                                             "minillm.spec.engine",      # chapter 10
-                                             "minillm.structured.engine",  # chapter 11
-                                             "minillm.invariant.engine",  # chapter 12
-                                             "minillm.parallel.engine"),  # chapter 13
-    "minillm.engine.compiled.DECODE_ATTENTION": ("minillm.paged_decode",),  # 7
-    "minillm.engine.llm.MODEL_LOADERS": ("minillm.parallel.engine",),     # chapter 13
+_QUANT_7A = {"int8-a8": "minillm.w8a8_cpu", "int4-a8": "minillm.tiled_a8",
+             "int8-a8-tiles": "minillm.tiled_a8"}  # chapter 7's appendix
+
+# registry (its module and name) -> {key: the module that fills it}, or the modules
+# that fill it (a table with many keys, filled whole)
+REGISTRIES: dict[str, dict[str, str] | tuple[str, ...]] = {
+    "minillm.sampling.SAMPLING_FIELDS": {"structured_outputs":            # chapter 11
+                                         "minillm.structured.params"},
+    "minillm.loader.QUANTIZATIONS": {**dict.fromkeys(                     # chapter 5
+        ("int8", "w8a16", "w8a8", "int4"), "minillm.quant"), **_QUANT_7A},
+    "minillm.loader.DTYPE_RULES": {"cpu": "minillm.dtype_auto"},          # chapter 7
+    "minillm.quant.MODES": _QUANT_7A,
+    "minillm.quant.GROUPED_MODES": _QUANT_7A,
+    "minillm.quant.TARGET_CHECKS": _QUANT_7A,
+    "minillm.quant.ON_LOAD": _QUANT_7A,
+    "minillm.kv.base.KV_BACKENDS": {"slots": "minillm.kv.slots",          # chapter 4
+                                    "paged": "minillm.kv.paged"},         # chapter 6
+    "minillm.kv.base.DEFAULT_KV_CACHE": {"continuous": "minillm.kv.paged"},  # 6
+    "minillm.engine.scheduler.SCHEDULERS": {"paged":                      # chapter 6
+                                            "minillm.engine.paged_scheduler"},
+    "minillm.engine.llm_engine.REQUEST_EXTRAS": {"cache_salt":            # 6's appendix
+                                                 "minillm.engine.cache_salt"},
+    "minillm.kv.paged.BLOCK_KEY_EXTRAS": {"cache_salt": "minillm.engine.cache_salt"},
+    "minillm.engine.config.ENGINE_OPTIONS": {
+        "cuda_graphs": "minillm.engine.graphs",                           # chapter 7
+        "fuse_projections": "minillm.fused",                              # its appendix
+        "compile_decode": "minillm.engine.compiled",
+        "attention_backend": "minillm.engine.compiled",
+        "inductor_compile_config": "minillm.engine.compiled",
+        "speculative_config": "minillm.spec.engine",                      # chapter 10
+        "structured_outputs_config": "minillm.structured.engine",         # chapter 11
+        "batch_invariant": "minillm.invariant.engine",                    # chapter 12
+        "tensor_parallel_size": "minillm.parallel.engine"},               # chapter 13
+    "minillm.engine.compiled.DECODE_ATTENTION": {"in_place":              # chapter 7
+                                                 "minillm.paged_decode"},
+    "minillm.fused.ROWS": ("minillm.tiled_a8",),                          # chapter 7
+    "minillm.engine.llm_engine.REQUEST_CHECKS": {"structured_outputs":    # chapter 11
+                                                 "minillm.structured.engine"},
+    "minillm.engine.llm.MODEL_LOADERS": {"tensor_parallel_size":          # chapter 13
+                                         "minillm.parallel.engine"},
     "minillm.serve.protocol.REQUEST_FIELDS": ("minillm.structured.serve",),  # ch. 11
-    "minillm.serve.async_engine.REQUEST_PREPARERS": ("minillm.structured.serve",),
-    "minillm.serve.app.CHAT_REPLIES": ("minillm.structured.serve",),       # ch. 11
-    "minillm.serve.cli.ENGINE_FLAGS": ("minillm.spec.serve",               # ch. 10
-                                       "minillm.invariant.serve",          # ch. 12
-                                       "minillm.parallel.serve"),          # ch. 13
-    "minillm.serve.metrics.METRIC_COLLECTORS": ("minillm.spec.serve",),    # ch. 10
+    "minillm.serve.async_engine.REQUEST_PREPARERS": {"compile_grammar":
+                                                     "minillm.structured.serve"},
+    "minillm.serve.app.CHAT_REPLIES": {"tools": "minillm.structured.serve"},
+    "minillm.serve.cli.ENGINE_FLAGS": {
+        "--speculative-config": "minillm.spec.serve",                     # chapter 10
+        "--batch-invariant": "minillm.invariant.serve",                   # chapter 12
+        "--tensor-parallel-size": "minillm.parallel.serve"},              # chapter 13
+    "minillm.serve.metrics.METRIC_COLLECTORS": {"spec_decode":            # chapter 10
+                                                "minillm.spec.serve"},
 }
-_loaded: set[str] = set()
 
 
-def load(name: str) -> None:
-    """Import the modules that fill registry `name` (once; a no-op for others)."""
-    if name in _loaded:
-        return
-    _loaded.add(name)
-    for module in FEATURES.get(name, ()):
-        importlib.import_module(module)
+class Registry(MutableMapping):
+    """A table that later chapters fill by name, declared in REGISTRIES under `name`
+    (its module and its variable). Asking for a key imports the module that
+    fills it first; iterating, `len` and `in` name every declared key without
+    importing anything but the modules that fill the table whole; items() and
+    values() import what they read."""
 
+    def __init__(self, name: str):
+        self.name = name
+        self._entries: dict = {}
+        self._loaded: set[str] = set()  # modules imported without error
 
-_filled: set[int] = set()  # id() of each registry already filled
+    def _declared(self) -> tuple[dict, tuple]:
+        found = REGISTRIES.get(self.name, {})
+        return (found, ()) if isinstance(found, dict) else ({}, found)
 
+    def _load(self, *modules: str) -> None:
+        for module in modules:
+            if module not in self._loaded:
+                importlib.import_module(module)  # raises: not counted as loaded
+                self._loaded.add(module)
 
-def registry(table: dict) -> dict:
-    """`table`, one of the registries above, filled: its modules imported first
-    (once; after that, one set lookup)."""
-    if id(table) in _filled:
-        return table
-    for name in FEATURES:
-        module, _, attr = name.rpartition(".")
-        mod = sys.modules.get(module)
-        if mod is not None and getattr(mod, attr, None) is table:
-            load(name)
-            _filled.add(id(table))
-    return table
+    def __getitem__(self, key):
+        per_key, whole = self._declared()
+        self._load(*whole, *([per_key[key]] if key in per_key else []))
+        if key not in self._entries:
+            where = (f"; {per_key[key]} should have registered it" if key in per_key
+                     else "")
+            raise KeyError(f"{key!r} is not in {self.name}{where}")
+        return self._entries[key]
 
+    def __setitem__(self, key, value) -> None:
+        self._entries[key] = value
 
-def load_all() -> None:
-    """Every later chapter's part (what `import minillm` gave before this module)."""
-    for name in FEATURES:
-        load(name)
+    def __delitem__(self, key) -> None:
+        del self._entries[key]
+
+    def __iter__(self):
+        per_key, whole = self._declared()
+        self._load(*whole)
+        return iter(list(dict.fromkeys([*self._entries, *per_key])))
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+    def __contains__(self, key) -> bool:
+        per_key, whole = self._declared()
+        self._load(*whole)
+        return key in self._entries or key in per_key
+
+    def __repr__(self) -> str:
+        return f"Registry({self.name!r}: {list(self)})"

@@ -11,12 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .engine.config import register_engine_option
+from .features import Registry
 from .model import MLP, Attention
 from .quant import Int4Linear, Int8Linear
 
-ROWS = {nn.Linear: {"weight": 0, "bias": 0},  # a layer's tensors with a row per output,
-        Int8Linear: {"weight": 0, "scale": 0, "bias": 0},  # and the dim of those rows
-        Int4Linear: {"weight": 0, "scale_zero": 1, "bias": 0}}  # (chapter 5's layers)
+ROWS = Registry("minillm.fused.ROWS")
+# a layer's tensors with a row per output, and the dim of those rows
+ROWS.update({nn.Linear: {"weight": 0, "bias": 0},
+             Int8Linear: {"weight": 0, "scale": 0, "bias": 0},
+             Int4Linear: {"weight": 0, "scale_zero": 1, "bias": 0}})  # chapter 5's
 
 
 def rows_of(layer: nn.Module) -> dict[str, int]:

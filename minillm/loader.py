@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from . import features
+from .features import Registry
 from .config import ModelConfig, _read_json
 from .model import Transformer
 from .sources import resolve_folder
@@ -158,7 +158,7 @@ def default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
 
 def check_quantization(quantization) -> None:
     """None, or a name that a later chapter registered in QUANTIZATIONS."""
-    modes = features.registry(QUANTIZATIONS)  # chapter 5's, loaded on first use
+    modes = QUANTIZATIONS  # chapter 5's, loaded on first use
     if quantization is None or (isinstance(quantization, str)
                                 and quantization in modes):
         return
@@ -166,7 +166,8 @@ def check_quantization(quantization) -> None:
                      f"{sorted(modes) or 'the modes chapter 5 registers'}")
 
 
-DTYPE_RULES: dict = {}  # device type -> pick(config, device) for dtype="auto"
+# device type -> pick(config, device) for dtype="auto"
+DTYPE_RULES = Registry("minillm.loader.DTYPE_RULES")
 #                         (chapter 7 registers "cpu": measure, then choose)
 
 
@@ -179,7 +180,7 @@ def resolve_dtype(config: ModelConfig, dtype, device: torch.device) -> torch.dty
     rule in DTYPE_RULES (else default_dtype); a dtype or its name is checked."""
     if dtype is not None and not _is_auto(dtype):
         return _check_dtype(dtype, device)
-    rules = features.registry(DTYPE_RULES)  # chapter 7's, on first use
+    rules = DTYPE_RULES  # chapter 7's, on first use
     pick = rules.get(device.type, default_dtype) if _is_auto(dtype) else default_dtype
     return _check_dtype(pick(config, device), device)
 
@@ -235,7 +236,8 @@ def _plan(files: list[Path], model: Transformer) -> dict[Path, list[str]]:
     return plan
 
 # %% ../chapters/02_naive_loop.ipynb #c026c
-QUANTIZATIONS: dict = {}  # name -> how to prepare the model for it (chapter 5)
+# name -> how to prepare the model for it (chapter 5)
+QUANTIZATIONS = Registry("minillm.loader.QUANTIZATIONS")
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .features import registry
+from .features import Registry
 from .loader import QUANTIZATIONS
 
 # %% auto #0
@@ -260,9 +260,11 @@ class FbgemmLinear(nn.Module):
                 f"bias={self.has_bias}")
 
 # %% ../chapters/05_int8.ipynb #c41-quantize
-MODES = {"w8a16": Int8Linear, "w8a8": Int8Int8Linear, "fbgemm": FbgemmLinear,
-         "bnb-int8": None}
-GROUPED_MODES = {"w8a16"}  # the modes that take group_size
+MODES = Registry("minillm.quant.MODES")  # mode -> its layer class
+MODES.update({"w8a16": Int8Linear, "w8a8": Int8Int8Linear, "fbgemm": FbgemmLinear,
+              "bnb-int8": None})
+GROUPED_MODES = Registry("minillm.quant.GROUPED_MODES")  # the modes that
+GROUPED_MODES["w8a16"] = True  # take group_size
 
 
 def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = None,
@@ -340,13 +342,14 @@ def bnb_from_linear(linear: nn.Linear, threshold: float = 6.0) -> nn.Module:
     return layer.to(w.device)  # bitsandbytes quantizes the weight when it moves
 
 
-TARGET_CHECKS: dict = {}  # mode -> check(name, linear, group_size), raises ValueError
+# mode -> check(name, linear, group_size), raises ValueError
+TARGET_CHECKS = Registry("minillm.quant.TARGET_CHECKS")
 
 
 def quantize_targets(model, mode: str, group_size, skip) -> list[tuple[str, nn.Module]]:
     """quantize's checks, all before any layer changes; returns the (name, layer)
     pairs to swap."""
-    if not isinstance(mode, str) or mode not in registry(MODES):
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode={mode!r}: give one of {sorted(MODES)}")
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: give a torch.nn.Module, got {type(model).__name__}")
@@ -471,8 +474,9 @@ def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
     return fill
 
 
-ON_LOAD = {"int8": "w8a16", "w8a16": "w8a16", "w8a8": "w8a8"}  # name -> mode
-for _mode in ON_LOAD:  # load_model(path, quantization=...)
+ON_LOAD = Registry("minillm.quant.ON_LOAD")  # name -> mode
+ON_LOAD.update({"int8": "w8a16", "w8a16": "w8a16", "w8a8": "w8a8"})
+for _mode in ("int8", "w8a16", "w8a8"):  # load_model(path, quantization=...)
     QUANTIZATIONS[_mode] = int8_layers_on_meta
 
 # %% ../chapters/05_int8.ipynb #r03-score
@@ -841,7 +845,7 @@ Int4Linear.extra_repr = _int4_extra_repr
 
 # %% ../chapters/05_int8.ipynb #k11-modes
 MODES.update({"int8": PackedInt8Linear, "int4": Int4Linear})
-GROUPED_MODES.add("int4")  # int4 takes group_size (default 32)
+GROUPED_MODES["int4"] = True  # int4 takes group_size (default 32)
 ON_LOAD.update({"int8": "int8", "int4": "int4"})  # load_model(quantization=...)
 QUANTIZATIONS["int4"] = int8_layers_on_meta
 

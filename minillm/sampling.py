@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import features
+from .features import Registry
 
 MIN_TEMPERATURE = MIN_PENALTY = 0.01  # smaller ones overflow float32 logits (inf)
 MAX_TEMPERATURE = MAX_PENALTY = 100.0
@@ -103,7 +103,8 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 # %% ../chapters/02_naive_loop.ipynb #c035p2-fields
-SAMPLING_FIELDS: dict = {}  # a later chapter's field -> check(value, params), which
+# a later chapter's field -> check(value, params), which
+SAMPLING_FIELDS = Registry("minillm.sampling.SAMPLING_FIELDS")
 #                             returns the value kept (chapter 11: structured_outputs)
 _dataclass_init = SamplingParams.__init__
 
@@ -112,7 +113,7 @@ def _init(self, *args, **kwargs) -> None:
     """The dataclass's __init__, with the later chapters' fields (SAMPLING_FIELDS)
     as keywords too: they are kept in extra_args (vLLM's name) and read back as
     attributes, so there is one SamplingParams class whatever chapter adds one."""
-    later = features.registry(SAMPLING_FIELDS)
+    later = SAMPLING_FIELDS
     given = {k: kwargs.pop(k) for k in list(kwargs) if k in later}
     if given:
         kwargs["extra_args"] = {**(kwargs.get("extra_args") or {}), **given}

@@ -285,7 +285,7 @@ for _mode, _layer, _groups in [("int4-a8", Int4A8Linear, (None, *INT4_GROUPS)),
                                ("int8-a8-tiles", Int8A8Tiles, (None, 32))]:
     MODES[_mode] = _layer
     TARGET_CHECKS[_mode] = _tiled_target(_mode, _groups)
-    GROUPED_MODES.add(_mode)  # quantize(model, "int4-a8", group_size=64)
+    GROUPED_MODES[_mode] = True  # quantize(model, "int4-a8", group_size=64)
     ON_LOAD[_mode] = _mode  # load_model(path, quantization="int4-a8")
     QUANTIZATIONS[_mode] = int8_layers_on_meta
 ROWS[Int4A8Linear] = {"weight": 0, "scale_zero": 0, "bias": 0}  # §4 stacks tiles

@@ -210,6 +210,6 @@ def _int8_a8_target(name: str, linear, group_size) -> None:
 
 MODES["int8-a8"] = Int8A8Linear
 TARGET_CHECKS["int8-a8"] = _int8_a8_target
-GROUPED_MODES.add("int8-a8")  # quantize(model, "int8-a8", group_size=32)
+GROUPED_MODES["int8-a8"] = True  # quantize(model, "int8-a8", group_size=32)
 ON_LOAD["int8-a8"] = "int8-a8"  # load_model(path, quantization="int8-a8")
 QUANTIZATIONS["int8-a8"] = int8_layers_on_meta

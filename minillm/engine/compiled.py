@@ -6,12 +6,11 @@ from __future__ import annotations
 import logging
 import time
 import types
-from typing import Callable
 
 import torch
 from torch._dynamo.utils import counters
 
-from .. import features
+from ..features import Registry
 from .config import register_engine_option
 from .graphs import GraphRunner, _buckets_and_spans, _take_over
 from ..model import StepMeta
@@ -33,7 +32,8 @@ def _own_code(fn, name: str):
                               fn.__defaults__, fn.__closure__)
 
 
-DECODE_ATTENTION: dict[str, Callable] = {"gather": lambda kv: kv}
+DECODE_ATTENTION = Registry("minillm.engine.compiled.DECODE_ATTENTION")
+DECODE_ATTENTION["gather"] = lambda kv: kv
 """What a compiled step hands the model as its KV backend, by attention_backend name:
 chapter 6's pool itself (its gather copies each row's context, then PyTorch's
 attention), or what §5 adds. Each is called with the pool."""
@@ -65,7 +65,7 @@ class CompiledRunner(GraphRunner):
         super().__init__(model, kv, buckets, spans, capture=False)
         self.freezing, self.attention = freezing, attention
         self.inductor = dict(inductor or {})  # more of inductor's settings
-        self.step_kv = features.registry(DECODE_ATTENTION)[attention](kv)
+        self.step_kv = DECODE_ATTENTION[attention](kv)
         self.steps: dict[tuple, object] = {}  # (bucket, span) -> its compiled step
         self.compile_seconds, self.cache_hits = 0.0, 0
         self.compile_report: str | None = None  # what compiling took so far
@@ -120,7 +120,7 @@ def compile_decode_option(on: bool | None) -> bool | None:
 
 def attention_backend_option(name: str | None) -> str | None:
     """LLMEngine(..., attention_backend=name): the compiled step's attention."""
-    backends = features.registry(DECODE_ATTENTION)
+    backends = DECODE_ATTENTION
     if name is not None and name not in backends:
         raise ValueError(f"attention_backend={name!r}: allowed {sorted(backends)}")
     return name

@@ -11,7 +11,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .. import features
+from ..features import Registry
 from .scheduler import SCHEDULERS, Scheduler, check_scheduler_args
 from ..kv.base import DEFAULT_KV_CACHE, KV_BACKENDS
 from ..utils import check_int
@@ -36,7 +36,8 @@ class EngineOption:
     part: str = "model"
 
 
-ENGINE_OPTIONS: dict[str, EngineOption] = {}  # by name (chapters 7, 10, 11)
+# by name (chapters 7, 10, 11)
+ENGINE_OPTIONS = Registry("minillm.engine.config.ENGINE_OPTIONS")
 PARTS = ("model", "forward", "proposer", "processors")  # what an option changes:
 #   the model's layers, how a forward runs, who drafts tokens, the logits
 
@@ -78,7 +79,7 @@ class EngineConfig:
         `model`: the model, or its ModelConfig (LLM checks before loading)."""
         ours = {k: kwargs.pop(k) for k in list(kwargs) if k in FIELDS}
         options = {k: kwargs.pop(k) for k in list(kwargs)
-                   if k in features.registry(ENGINE_OPTIONS)}
+                   if k in ENGINE_OPTIONS}
         return cls(getattr(model, "config", model).context_length, **ours,
                    kv_options=kwargs, options=options)
 
@@ -111,12 +112,12 @@ def check_engine_config(c: EngineConfig) -> None:
         raise ValueError(f"max_num_batched_tokens={c.max_num_batched_tokens} is "
                          f"less than max_num_seqs={c.max_num_seqs}: each step gives "
                          "every running request a token")
-    backends = features.registry(KV_BACKENDS)
+    backends = KV_BACKENDS
     name = DEFAULT_KV_CACHE[c.policy] if c.kv_cache is None else c.kv_cache
     if not isinstance(name, str) or name not in backends:
         raise ValueError(f"kv_cache={c.kv_cache!r}: allowed {sorted(backends)}")
     c.kv_cache, (_, allowed, check_kv) = name, backends[name]
-    options = features.registry(ENGINE_OPTIONS)
+    options = ENGINE_OPTIONS
     unknown = sorted(set(c.kv_options) - set(allowed)) + sorted(
         set(c.options) - set(options))
     if unknown:
@@ -163,8 +164,8 @@ def _describe(self) -> str:
     def options(part: str) -> str:
         return ", ".join(f"{name}={_said(value)} (chapter {chapter_of(o.check)})"
                          for name, o, value in on if o.part == part)
-    build = features.registry(KV_BACKENDS)[self.kv_cache][0]
-    scheduler = features.registry(SCHEDULERS).get(self.kv_cache, Scheduler)
+    build = KV_BACKENDS[self.kv_cache][0]
+    scheduler = SCHEDULERS.get(self.kv_cache, Scheduler)
     kv = "".join(f", {k}={_said(v)}" for k, v in self.kv_options.items())
     rows = [("model transforms", options("model") or "none"),
             ("KV cache", f"{self.kv_cache} (chapter {chapter_of(build)}){kv}"),

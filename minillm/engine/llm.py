@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import features
+from ..features import Registry
 from .config import EngineConfig, chapter_of
 from .llm_engine import REQUEST_EXTRAS, LLMEngine
 from .outputs import RequestOutput, final_output
@@ -22,7 +22,7 @@ def _prompt_list(prompts) -> tuple[list, list, list]:
     if not one and not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts={prompts!r:.60}: give a prompt (text, token ids "
                          "or a prompt dict) or a list of prompts")
-    extras = features.registry(REQUEST_EXTRAS)
+    extras = REQUEST_EXTRAS
     got = ([unpack_prompt(prompts, "prompts", extras)] if one else
            [unpack_prompt(p, f"prompts[{i}]", extras) for i, p in enumerate(prompts)])
     return [p for p, _, _ in got], [shown for _, shown, _ in got], [e for *_, e in got]
@@ -42,7 +42,8 @@ def check_before_loading(model, args: dict) -> None:
         EngineConfig.create(config, **args)
 
 
-MODEL_LOADERS: dict = {}  # option -> load(path, options, dtype, device, quantization):
+# option -> load(path, options, dtype, device, quantization):
+MODEL_LOADERS = Registry("minillm.engine.llm.MODEL_LOADERS")
 #    a later chapter's way to load a folder when `option` is among LLM's other
 #    keyword arguments (`options`): a model, or None for load_model's way
 
@@ -57,7 +58,7 @@ def load_for_llm(model, tokenizer, dtype, device, quantization, options=None):
         from minillm.tokenizer import Tokenizer
         path = resolve_folder(model)  # a folder, a .gguf file or a Hub name
         loaded = [load(path, options, dtype, device, quantization)
-                  for name, load in features.registry(MODEL_LOADERS).items()
+                  for name, load in MODEL_LOADERS.items()
                   if name in (options or {})]
         model = next((m for m in loaded if m is not None), None) or load_model(
             path, dtype=dtype, device=device, quantization=quantization)
@@ -263,7 +264,7 @@ def _stream(self, prompt, params: SamplingParams | None = None) -> "TextStream":
         raise ValueError(f"n={params.n}: a stream is one answer; use n=1, or "
                          "LLMEngine.step() for n answers")
     prompt, _, extras = unpack_prompt(  # any of vLLM's forms
-        prompt, extras=features.registry(REQUEST_EXTRAS))
+        prompt, extras=REQUEST_EXTRAS)
     return TextStream(self.engine, self.engine.add_request(prompt, params, **extras))
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 import time
 
-from .. import features
+from ..features import Registry
 from .config import EngineConfig
 from .outputs import CompletionOutput, RequestOutput, StepRecord
 from .runner import ModelRunner, prompt_logprobs
@@ -17,16 +17,18 @@ from ..kv.base import make_kv
 from ..sampling import SamplingParams
 from ..sequence import Sequence
 
-REQUEST_CHECKS: list = []  # (engine, seq) -> None or raise ValueError: a later
+# (engine, seq) -> None or raise ValueError: a later
+REQUEST_CHECKS = Registry("minillm.engine.llm_engine.REQUEST_CHECKS")
 #                  chapter's check of a request before it is queued (chapter 11)
-REQUEST_EXTRAS: dict = {}  # name -> check(value) -> what seq.extras keeps: a later
+# name -> check(value) -> what seq.extras keeps: a later
+REQUEST_EXTRAS = Registry("minillm.engine.llm_engine.REQUEST_EXTRAS")
 #   chapter's per-request data, as vLLM's cache_salt (chapter 6's appendix)
 
 
 def check_extras(extras: dict) -> dict:
     """add_request's keyword arguments after its four: each a later chapter's
     (REQUEST_EXTRAS), checked by its own check; None means "not given"."""
-    known = features.registry(REQUEST_EXTRAS)
+    known = REQUEST_EXTRAS
     unknown = sorted(set(extras) - set(known))
     if unknown:
         raise ValueError(f"{unknown}: not an argument of add_request; it takes "
@@ -141,7 +143,7 @@ def _check_fits(self, seq: Sequence) -> None:
     why = self.kv.too_long(seq) or self.scheduler.too_long(seq)
     if why:
         raise ValueError(why)
-    for check in REQUEST_CHECKS:  # later chapters' checks (chapter 11: grammars)
+    for check in REQUEST_CHECKS.values():  # later chapters' (chapter 11)
         check(self, seq)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .. import features
+from ..features import Registry
 from ..sequence import RUNNING, WAITING, Sequence
 
 
@@ -171,13 +171,14 @@ Scheduler._schedule_static = _schedule_static
 def _finished(self, seq: Sequence) -> None:
     """A request ended (stop, length or abort): give its memory back now (static
     batching: when the whole batch has ended)."""
-    if seq in self.waiting:  # it holds no memory; what the backend noted goes
+    if self.policy == "continuous" and seq in self.running:  # the usual case:
+        self.running.remove(seq)  # no scan of a long queue
+        self.kv.free(seq)
+        return
+    if seq in self.waiting:  # aborted before it ran: what the backend noted goes
         self.waiting.remove(seq)
         self.kv.free(seq)
-    if self.policy == "continuous" and seq in self.running:
-        self.running.remove(seq)
-        self.kv.free(seq)
-    elif all(s.is_finished for s in self.running):  # the static batch is over
+    if self.policy != "continuous" and all(s.is_finished for s in self.running):
         for s in self.running:
             self.kv.free(s)
         self.running = []
@@ -217,11 +218,12 @@ Scheduler.undo, Scheduler.too_long = _undo, _too_long
 Scheduler.num_waiting = _num_waiting
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21l-make-scheduler
-SCHEDULERS: dict[str, type] = {}  # KV backend name -> the scheduler it needs (ch. 6)
+# KV backend name -> the scheduler it needs (ch. 6)
+SCHEDULERS = Registry("minillm.engine.scheduler.SCHEDULERS")
 
 
 def make_scheduler(cfg, kv) -> Scheduler:
     """The engine's scheduler: the one its KV backend needs, else section 5's."""
-    cls = features.registry(SCHEDULERS).get(cfg.kv_cache, Scheduler)
+    cls = SCHEDULERS.get(cfg.kv_cache, Scheduler)
     return cls(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy,
                cfg.enable_chunked_prefill)

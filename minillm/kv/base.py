@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..attention import packed_attention
+from ..features import Registry
 from ..model import StepMeta
 from ..sequence import Sequence
 
@@ -50,8 +51,10 @@ class KVBackend(Protocol):
 __all__ = ['KV_BACKENDS', 'DEFAULT_KV_CACHE', 'KVBackend', 'register_kv_backend', 'make_kv', 'PackedSteps']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c13d-registry
-KV_BACKENDS: dict[str, tuple] = {}  # name -> (build, its options, check)
-DEFAULT_KV_CACHE = {"continuous": "slots", "static": "slots"}  # policy -> name
+# name -> (build, its options, check)
+KV_BACKENDS = Registry("minillm.kv.base.KV_BACKENDS")
+DEFAULT_KV_CACHE = Registry("minillm.kv.base.DEFAULT_KV_CACHE")
+DEFAULT_KV_CACHE.update(continuous="slots", static="slots")  # policy -> name
 
 
 def register_kv_backend(name: str, build, options=(), default_for=(),

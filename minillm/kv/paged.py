@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from .. import features
+from ..features import Registry
 from .base import PackedSteps, register_kv_backend
 from .blocks import BlockManager, check_block_size
 from .contiguous import (KVCache, KVMemoryError, check_kv_fits,
@@ -44,7 +44,8 @@ def token_ids(seq: Sequence, more: list[int] = ()) -> TokenView:
     return TokenView(seq.prompt_ids, seq.output_ids, more)
 
 
-BLOCK_KEY_EXTRAS: dict = {}  # name -> (seq) -> a value or None: what else, besides
+# name -> (seq) -> a value or None: what else, besides
+BLOCK_KEY_EXTRAS = Registry("minillm.kv.paged.BLOCK_KEY_EXTRAS")
 #   its tokens, two requests must share to share K/V (the appendix: cache_salt)
 
 
@@ -52,7 +53,7 @@ def extra_key(seq: Sequence) -> bytes:
     """Where the request's chain of block hashes starts: b"" when no extra applies
     (the tokens alone), else a hash of every extra's name and value."""
     parts = [(name, key(seq)) for name, key
-             in sorted(features.registry(BLOCK_KEY_EXTRAS).items())]
+             in sorted(BLOCK_KEY_EXTRAS.items())]
     parts = [p for p in parts if p[1] is not None]
     return hashlib.sha256(repr(parts).encode()).digest() if parts else b""
 

@@ -175,7 +175,6 @@ def load_shard(path, world: int, rank: int, dtype: torch.dtype,
     one: built on the meta device, then each tensor's slice read into its place."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
-    from minillm import features
     from minillm.loader import QUANTIZATIONS, check_quantization, safetensors_files
     from minillm.sources import resolve_folder
     check_quantization(quantization)
@@ -185,7 +184,7 @@ def load_shard(path, world: int, rank: int, dtype: torch.dtype,
         model = ShardedTransformer(config, world, rank)
     fill = {}
     if quantization is not None:  # chapter 5's layers, swapped in on the meta device
-        fill = features.registry(QUANTIZATIONS)[quantization](model, quantization)
+        fill = QUANTIZATIONS[quantization](model, quantization)
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

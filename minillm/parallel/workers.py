@@ -51,10 +51,9 @@ def unpack_step(step: tuple, device: torch.device) -> tuple:
 def build_kv(model, recipe: tuple):
     """A worker's KV cache: the engine's backend, built at this rank's size, with
     as many blocks as rank 0's (the scheduler's block tables name them)."""
-    from minillm import features
     from minillm.kv.base import KV_BACKENDS
     name, args, options = recipe
-    return features.registry(KV_BACKENDS)[name][0](model, *args, **options)
+    return KV_BACKENDS[name][0](model, *args, **options)
 
 # %% auto #0
 __all__ = ['TIMEOUT', 'backend_for', 'pack_step', 'unpack_step', 'build_kv', 'worker_main', 'stop_workers', 'WorkerGroup']

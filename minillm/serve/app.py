@@ -20,7 +20,8 @@ from jinja2 import TemplateError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from .. import __version__, features
+from .. import __version__
+from ..features import Registry
 from ..sampling import MAX_N
 from .async_engine import AsyncEngine, RequestStream
 from .metrics import ServerMetrics
@@ -753,7 +754,8 @@ def _chat_limits(s: Server, body, prompt_ids: list[int]) -> tuple[int, dict]:
     return max_tokens, names
 
 # %% ../../chapters/09_serving.ipynb #s49c-reply
-CHAT_REPLIES: dict = {}  # a later chapter's name -> a ChatReply subclass
+# a later chapter's name -> a ChatReply subclass
+CHAT_REPLIES = Registry("minillm.serve.app.CHAT_REPLIES")
 
 
 class ChatReply:
@@ -810,7 +812,7 @@ class ChatReply:
 
 def chat_reply(s: Server, body) -> ChatReply:
     """The first reply in CHAT_REPLIES that takes the request, else the plain one."""
-    for kind in features.registry(CHAT_REPLIES).values():
+    for kind in CHAT_REPLIES.values():
         if kind.takes(body):
             return kind(s, body)
     return ChatReply(s, body)

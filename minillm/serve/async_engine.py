@@ -5,19 +5,20 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from .. import features
+from ..features import Registry
 from .protocol import APIError
 
 # A later chapter's work on a request before the engine thread takes it, so that the
 # thread never waits for it: name -> async prepare(engine, params), which may raise
 # ValueError (a 400) or APIError (chapter 11: compile its grammar in a worker thread).
-REQUEST_PREPARERS: dict = {}
+REQUEST_PREPARERS = Registry("minillm.serve.async_engine.REQUEST_PREPARERS")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class AsyncEngine:
         self.stats = EngineStats()    # replaced (never changed) by the thread
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # the engine thread's
+        self._deadlines: list = []  # (deadline, request id): a heap, soonest first
         self._posted = 0              # answers posted (the loop's count)
         self._added = 0               # answers taken (the thread's count)
         self._thread: threading.Thread | None = None
@@ -112,7 +114,7 @@ async def _add(self, prompt_ids: list[int], params,
     queue is a 429, a request the engine refuses a 400: before any work.
     `extras`: add_request's per-request fields (cache_salt, ...)."""
     self._check_room(params.n)  # 503: not running; 429: the queue is full
-    for prepare in features.registry(REQUEST_PREPARERS).values():
+    for prepare in REQUEST_PREPARERS.values():
         await prepare(self.engine, params)  # off the engine thread (chapter 11)
     now = time.perf_counter()
     deadline = None if self.request_timeout is None else now + self.request_timeout
@@ -203,6 +205,8 @@ def _on_add(self, stream: RequestStream, accepted: asyncio.Future) -> None:
         self._publish()
         return self._call(_settle, accepted, e)
     self._streams[stream.request_id] = stream
+    if stream.deadline is not None:
+        heapq.heappush(self._deadlines, (stream.deadline, stream.request_id))
     if self.metrics is not None:
         self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
     self._publish()  # waiting + 1 and added + 1 in one snapshot
@@ -256,11 +260,13 @@ AsyncEngine._step = _step
 
 # %% ../../chapters/09_serving.ipynb #s26-drop
 def _expire(self) -> None:
-    """Abort every request past its deadline (--request-timeout)."""
+    """Abort every request past its deadline (--request-timeout): the first
+    entries of the heap of deadlines, never a scan of every stream."""
     now = time.perf_counter()
-    late = [rid for rid, s in self._streams.items()
-            if s.deadline is not None and now > s.deadline]
-    for rid in late:
+    while self._deadlines and now > self._deadlines[0][0]:
+        _, rid = heapq.heappop(self._deadlines)
+        if rid not in self._streams:  # it finished, or was dropped, before
+            continue
         self._drop(rid, APIError(
             408, f"the request ran past request_timeout={self.request_timeout}s "
             "and was aborted", type="timeout_error", code="request_timeout"),

@@ -17,7 +17,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .. import features
+from ..features import Registry
 from ..loader import QUANTIZATIONS
 from ..utils import pick_device
 
@@ -25,7 +25,7 @@ CPU_CHUNK_TOKENS = 256  # a CPU's step budget: 2048 prompt tokens take seconds t
 
 # Engine flags a later chapter adds: "--flag" -> (the LLM(...) keyword it becomes,
 # argparse's add_argument keywords). A flag left at None is not passed to LLM.
-ENGINE_FLAGS: dict[str, tuple[str, dict]] = {}
+ENGINE_FLAGS = Registry("minillm.serve.cli.ENGINE_FLAGS")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -78,7 +78,7 @@ def _engine_flags(add) -> None:
     add("--dtype", default=None, help="the weights' float type (float32, "
         "bfloat16, float16, or auto: on a CPU bfloat16 where measured faster); "
         "None: the device's default")
-    modes = sorted(features.registry(QUANTIZATIONS))  # chapter 5's
+    modes = sorted(QUANTIZATIONS)  # chapter 5's
     add("--quantization", default=None, choices=modes,
         help="INT8 weights (Chapter 5); None: the weights as stored")
     add("--seed", type=seed, default=None, help="the seed of requests that give "
@@ -86,7 +86,7 @@ def _engine_flags(add) -> None:
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         default=None, help="share the KV blocks of prompts that start alike "
         "(Chapter 6); None: the engine's default (on)")
-    for flag, (keyword, kwargs) in features.registry(ENGINE_FLAGS).items():  # later
+    for flag, (keyword, kwargs) in ENGINE_FLAGS.items():  # later
         add(flag, dest=keyword, **kwargs)
 
 # %% auto #0
@@ -141,7 +141,7 @@ def engine_args(args: argparse.Namespace) -> dict:
         budget = max(CPU_CHUNK_TOKENS, args.max_num_seqs)
     if budget is not None:
         kw["max_num_batched_tokens"] = budget
-    for keyword, _ in features.registry(ENGINE_FLAGS).values():  # when given
+    for keyword, _ in ENGINE_FLAGS.values():  # when given
         if getattr(args, keyword, None) is not None:
             kw[keyword] = getattr(args, keyword)
     return kw

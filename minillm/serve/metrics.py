@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 
-from .. import features
+from ..features import Registry
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -17,7 +17,7 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 # Metrics a later chapter adds: functions (registry, model_name, engine) -> None,
 # called once by every server, with its own registry and the LLMEngine it serves.
-METRIC_COLLECTORS: list = []
+METRIC_COLLECTORS = Registry("minillm.serve.metrics.METRIC_COLLECTORS")
 
 # %% auto #0
 __all__ = ['TTFT_BUCKETS', 'ITL_BUCKETS', 'E2E_BUCKETS', 'METRIC_COLLECTORS', 'ServerMetrics']
@@ -55,7 +55,7 @@ class ServerMetrics:
         self._success = Counter("minillm:request_success", "Finished requests.",
                                  labelnames=["model_name", "finished_reason"],
                                  registry=self.registry)
-        for collect in features.registry(METRIC_COLLECTORS):  # later chapters'
+        for collect in METRIC_COLLECTORS.values():  # later chapters'
             collect(self.registry, model_name, engine)
 
 # %% ../../chapters/09_serving.ipynb #s31-observe

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .. import features
+from ..features import Registry
 from ..engine.llm_engine import REQUEST_EXTRAS, check_extras
 from ..sampling import SamplingParams
 
@@ -54,7 +54,8 @@ SAMPLING_FIELDS = (  # the request fields that SamplingParams takes as they are
     "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
     "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output")
-REQUEST_FIELDS: dict = {}  # a later chapter's request field -> to_params(value), which
+# a later chapter's request field -> to_params(value), which
+REQUEST_FIELDS = Registry("minillm.serve.protocol.REQUEST_FIELDS")
 #                            returns {SamplingParams keyword: value} (chapter 11)
 
 
@@ -104,7 +105,7 @@ class CommonRequest(BaseModel):
         values["logit_bias"] = api_logit_bias(self.logit_bias)  # "50" -> 50
         values["prompt_logprobs"] = getattr(self, "prompt_logprobs", None)
         values.update(more)  # the route's own (echo: the prompt's logprobs)
-        later = features.registry(REQUEST_FIELDS)  # later chapters' fields
+        later = REQUEST_FIELDS  # later chapters' fields
         given = {}  # SamplingParams keyword -> the request field that set it
         for name, to_params in later.items():
             if getattr(self, name, None) is not None:
@@ -121,7 +122,7 @@ class CommonRequest(BaseModel):
     def request_extras(self) -> dict:
         """The engine's per-request fields this request sets (REQUEST_EXTRAS, as
         chapter 6's cache_salt), checked as add_request checks them: a 400."""
-        known = features.registry(REQUEST_EXTRAS)
+        known = REQUEST_EXTRAS
         try:
             return check_extras({k: v for k, v in (self.model_extra or {}).items()
                                  if k in known})
@@ -248,8 +249,8 @@ def check_request(body, handles=()) -> None:
     top_logprobs without logprobs, a temperature outside OpenAI's [0, 2]: each
     is a 400 naming the field, never silently ignored. `handles`: fields of
     OFF that the route acts on (chapter 11's tool calls)."""
-    supported = features.registry(REQUEST_FIELDS)  # chapter 11: response_format
-    extras = features.registry(REQUEST_EXTRAS)  # the engine's: cache_salt
+    supported = REQUEST_FIELDS  # chapter 11: response_format
+    extras = REQUEST_EXTRAS  # the engine's: cache_salt
     unknown = [f for f in (body.model_extra or {}) if f not in supported
                and f not in OFF and f not in NO_OPS and f not in extras]
     if unknown:  # accepted and dropped would be a wrong answer, not an error

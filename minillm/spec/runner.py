@@ -5,6 +5,7 @@
 the rejection sampler accepts, give back the rest."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -109,11 +110,11 @@ def _verify(self, batch, drafts: list, q: list) -> list:
     ids, meta = base.prepare_packed([Drafted(s, d) for s, d in zip(seqs, drafts)],
                                     num_new)
     ends = meta.cache["host"][0][1:]  # where each request's tokens end in the row
-    rows = [list(range(e - 1 - len(d), e)) for e, d in zip(ends, drafts)]
-    meta.logits_index = base._tensor(sum(rows, []))
+    rows = [range(e - 1 - len(d), e) for e, d in zip(ends, drafts)]
+    meta.logits_index = base._tensor([i for r in rows for i in r])
     base.last_tokens = ids.numel()
     logits = base.model(ids, meta.positions, kv=base.kv, meta=meta)[:, -1]
-    first = [sum(len(r) for r in rows[:i]) for i in range(len(rows))]
+    first = list(itertools.accumulate(map(len, rows[:-1]), initial=0))
     out = [None] * len(seqs)
     plain = [i for i, (s, n) in enumerate(zip(seqs, batch.num_new)) if not drafts[i]
              and not s.is_finished and s.num_computed_tokens + n == s.num_tokens]

@@ -60,7 +60,7 @@ def spec_decode_metrics(registry, model_name: str, engine) -> None:
         registry.register(SpecDecodeCollector(model_name, engine))
 
 
-METRIC_COLLECTORS.append(spec_decode_metrics)
+METRIC_COLLECTORS["spec_decode"] = spec_decode_metrics
 
 # %% auto #0
 __all__ = ['speculative_config', 'SpecDecodeCollector', 'spec_decode_metrics']

@@ -138,7 +138,7 @@ def add_manager(engine, backend: str) -> None:
 register_engine_option("structured_outputs_config", structured_outputs_option,
                        add_manager, order=95,  # after chapter 10's runner
                        part="processors")
-REQUEST_CHECKS.append(compile_constraint)
+REQUEST_CHECKS["structured_outputs"] = compile_constraint
 
 # %% ../../chapters/11_structured_output.ipynb #s74b-backend
 def _backend(self):
