@@ -12,6 +12,7 @@ that failed to import is tried again, never left half-registered.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import MutableMapping
 
 _QUANT_7A = {"int8-a8": "minillm.w8a8_cpu", "int4-a8": "minillm.tiled_a8",
@@ -80,6 +81,11 @@ class Registry(MutableMapping):
         self._loaded: set[str] = set()  # modules imported without error
 
     def _declared(self) -> tuple[dict, tuple]:
+        """What REGISTRIES says fills this table: only if it is the one its module
+        holds under its name (a notebook's own copy holds just what it is given)."""
+        module, _, attr = self.name.rpartition(".")
+        if getattr(sys.modules.get(module), attr, None) is not self:
+            return {}, ()
         found = REGISTRIES.get(self.name, {})
         return (found, ()) if isinstance(found, dict) else ({}, found)
 

@@ -174,3 +174,15 @@ def post(url: str, path: str, body, headers=None, **kw):
     return httpx.post(url + path, content=data, timeout=60,
                       headers={"Content-Type": "application/json", **(headers or {})},
                       **kw)
+
+
+def kernel_fixture(module):
+    """An autouse fixture for the tests of one of chapter 7's C++ kernels (`module`
+    has kernel()): built or loaded when the file's first test runs, so collecting
+    the tests builds nothing; from then on the operator's CPU kernel."""
+    import pytest
+
+    @pytest.fixture(autouse=True, scope="module")
+    def kernel_loaded():
+        module.kernel()
+    return kernel_loaded

@@ -111,3 +111,16 @@ def test_loading_a_model_imports_no_engine():
     assert eval(out) == ["minillm", "minillm.config", "minillm.features", "minillm.gguf",
                          "minillm.loader", "minillm.model", "minillm.sources",
                          "minillm.utils"]
+
+
+def test_a_notebooks_own_copy_holds_only_what_it_is_given():
+    """A chapter's notebook defines its registries again in its own namespace: such
+    a copy is not the one the package module holds, so it imports nothing (before
+    this rule, chapter 6's notebook copy of BLOCK_KEY_EXTRAS imported the appendix's
+    module, which filled the package's table, and the copy's lookup failed)."""
+    copy = Registry("minillm.kv.paged.BLOCK_KEY_EXTRAS")
+    assert list(copy) == [] and "cache_salt" not in copy
+    copy["x"] = 1
+    assert dict(copy.items()) == {"x": 1}
+    from minillm.kv.paged import BLOCK_KEY_EXTRAS
+    assert "cache_salt" in BLOCK_KEY_EXTRAS and "x" not in BLOCK_KEY_EXTRAS

@@ -23,15 +23,12 @@ from minillm.tiled_a8 import (Int4A8Linear, Int8A8Tiles, tile_int4, tile_int8,
                               tile_scale_zero, tile_scales, tiled_a8_in_pytorch,
                               untile_int4, untile_scale_zero)
 from minillm.w8a8_cpu import Int8A8Linear, blockwise_linear, quantized_blocks
+from helpers import kernel_fixture
 
 torch.set_num_threads(2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def kernel_loaded():
-    """Built or loaded when the first test runs (collecting builds nothing): from
-    then on the operator's CPU kernel."""
-    tiled_a8.kernel()
+kernel_loaded = kernel_fixture(tiled_a8)  # built when the first test runs
 
 
 def vnni() -> bool:

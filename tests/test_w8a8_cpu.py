@@ -19,15 +19,12 @@ from minillm.quant import quantize
 from minillm.sampling import SamplingParams
 from minillm.utils import bundled_model_path
 from minillm.w8a8_cpu import Int8A8Linear, blockwise_linear, folded_blocks
+from helpers import kernel_fixture
 
 torch.set_num_threads(2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def kernel_loaded():
-    """Built or loaded when the first test runs (collecting builds nothing): from
-    then on the operator's CPU kernel."""
-    w8a8_cpu.kernel()
+kernel_loaded = kernel_fixture(w8a8_cpu)  # built when the first test runs
 
 
 def vnni() -> bool:
