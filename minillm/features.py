@@ -105,6 +105,14 @@ class Registry(MutableMapping):
         return self._entries[key]
 
     def __setitem__(self, key, value) -> None:
+        """An entry set by hand is final: the modules REGISTRIES names for the key
+        are imported first (unless they are importing now), so that they cannot
+        replace it later (a notebook's own version of a later chapter's entry)."""
+        per_key, whole = self._declared()
+        owner = sys.modules[self.name.rpartition(".")[0]] if per_key or whole else None
+        if not getattr(getattr(owner, "__spec__", None), "_initializing", False):
+            self._load(*[m for m in (*whole, per_key.get(key))  # not its own defaults
+                         if m and m not in sys.modules])
         self._entries[key] = value
 
     def __delitem__(self, key) -> None:

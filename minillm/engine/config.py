@@ -151,6 +151,13 @@ def chapter_of(obj) -> str:
     return found.group(1) if found else "?"
 
 
+def _where(obj) -> str:
+    """"chapter 6", or "this notebook" for what a notebook's own cell defined."""
+    if getattr(obj, "__module__", None) == "__main__":
+        return "this notebook"
+    return f"chapter {chapter_of(obj)}"
+
+
 def _said(value) -> str:
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."  # a model object
@@ -162,14 +169,14 @@ def _describe(self) -> str:
     on = self.ordered_options()
 
     def options(part: str) -> str:
-        return ", ".join(f"{name}={_said(value)} (chapter {chapter_of(o.check)})"
+        return ", ".join(f"{name}={_said(value)} ({_where(o.check)})"
                          for name, o, value in on if o.part == part)
     build = KV_BACKENDS[self.kv_cache][0]
     scheduler = SCHEDULERS.get(self.kv_cache, Scheduler)
     kv = "".join(f", {k}={_said(v)}" for k, v in self.kv_options.items())
     rows = [("model transforms", options("model") or "none"),
-            ("KV cache", f"{self.kv_cache} (chapter {chapter_of(build)}){kv}"),
-            ("scheduler", f"{scheduler.__name__} (chapter {chapter_of(scheduler)}): "
+            ("KV cache", f"{self.kv_cache} ({_where(build)}){kv}"),
+            ("scheduler", f"{scheduler.__name__} ({_where(scheduler)}): "
              f"{self.policy}, max_num_seqs={self.max_num_seqs}, max_num_batched_tokens"
              f"={self.max_num_batched_tokens}, chunked prefill "
              f"{'on' if self.enable_chunked_prefill else 'off'}"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..features import Registry
-from .config import EngineConfig, chapter_of
+from .config import EngineConfig, _where
 from .llm_engine import REQUEST_EXTRAS, LLMEngine
 from .outputs import RequestOutput, final_output
 from ..inputs import is_token_ids, unpack_prompt
@@ -272,7 +272,7 @@ def _describe(self) -> str:
     """The model as loaded, then what the engine runs (EngineConfig.describe)."""
     m = self.engine.model
     w = m.embed_tokens.weight
-    head = (f"{'model':<18} {type(m).__name__} (chapter {chapter_of(type(m))}): "
+    head = (f"{'model':<18} {type(m).__name__} ({_where(type(m))}): "
             f"{len(m.layers)} layers, {w.dtype} on {w.device}, quantization="
             f"{self.quantization!r}")
     return head + "\n" + self.engine.config.describe()
