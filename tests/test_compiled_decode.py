@@ -14,8 +14,8 @@ from helpers import drive
 from minillm import LLM
 from minillm.bench.measure import fast_copy
 from minillm.engine import LLMEngine
-from minillm.engine.compiled import CompiledRunner, enable_compiled_decode
-from minillm.engine.graphs import GraphRunner
+from minillm.engine.compiled import CompiledForward
+from minillm.engine.graphs import GraphForward
 from minillm.sampling import SamplingParams
 
 torch.set_num_threads(1)
@@ -31,14 +31,14 @@ def arrivals(n: int = 6) -> list:
 
 def serve(model, compiled: bool, kv_cache: str = "paged", freezing: bool = False,
           inductor: dict | None = None) -> tuple[list, object]:
-    """Every request's output ids, and the engine's runner. One bucket (4 rows, a span
-    of 64 positions) holds every decode step: one compile."""
-    engine = LLMEngine(model, max_num_seqs=4, kv_cache=kv_cache, max_model_len=64)
-    if compiled:
-        enable_compiled_decode(engine, buckets=[4], spans=[64], freezing=freezing,
-                               inductor=inductor)
+    """Every request's output ids, and the engine's forward. One bucket (4 rows, a
+    span of 64 positions) holds every decode step: one compile."""
+    settings = {"buckets": [4], "spans": [64], "freezing": freezing}
+    engine = LLMEngine(model, max_num_seqs=4, kv_cache=kv_cache, max_model_len=64,
+                       compile_decode=settings if compiled else None,
+                       inductor_compile_config=inductor)
     served = drive(engine, arrivals())
-    return [r.seq.output_ids for r in served.values()], engine.runner
+    return [r.seq.output_ids for r in served.values()], engine.runner.forward
 
 
 @pytest.mark.parametrize("kv_cache", ["slots", "paged"])
@@ -46,7 +46,7 @@ def test_compiled_step_gives_the_eager_tokens(llama, kv_cache):
     _, model = llama
     ids, runner = serve(model, True, kv_cache)
     assert ids == serve(model, False, kv_cache)[0]
-    assert isinstance(runner, CompiledRunner) and list(runner.steps) == [(4, 64)]
+    assert isinstance(runner, CompiledForward) and list(runner.steps) == [(4, 64, 1)]
     assert sum(runner.used.values()) > 10  # every decode step went through it
     assert runner.compile_seconds > 0 and runner.replays == 0
     assert runner.compile_report.startswith("compiled 1 decode step(s) in ")
@@ -58,7 +58,7 @@ def test_fused_modes_compile_frozen_to_the_eager_tokens(llama, mode):
     fast = fast_copy(model, mode)  # chapter 5's fused layers, bfloat16, int8 head
     for freezing in (False, True):  # both compile, in inference mode, to the same ids
         ids, runner = serve(fast, True, freezing=freezing)
-        assert runner.freezing == freezing and list(runner.steps) == [(4, 64)]
+        assert runner.freezing == freezing and list(runner.steps) == [(4, 64, 1)]
         assert ids == serve(fast, False)[0]
 
 
@@ -77,9 +77,9 @@ def test_another_model_of_the_same_shape_compiles_its_own_step(llama):
     assert first == serve(model, False)[0]
     assert second == serve(other, False)[0] and second != first
     assert runner2.cache_hits == 1  # its C++ came from the disk
-    codes = [r.steps[(4, 64)]._torchdynamo_orig_callable.__code__
+    codes = [r.steps[(4, 64, 1)]._torchdynamo_orig_callable.__code__
              for r in (runner1, runner2)]
-    assert codes[0] is not codes[1] and codes[0].co_name == "decode_step_4x64"
+    assert codes[0] is not codes[1] and codes[0].co_name == "step_4x64x1"
     assert [len(_debug_get_cache_entry_list(c)) for c in codes] == [1, 1]
 
 
@@ -93,7 +93,7 @@ engine = LLMEngine(load_model(sys.argv[1]), max_num_seqs=1, max_model_len=32,
 engine.add_request([1, 5, 9], SamplingParams(temperature=0, max_tokens=3))
 while engine.has_unfinished():
     engine.step()
-print(engine.runner.cache_hits, engine.runner.compile_report)
+print(engine.runner.forward.cache_hits, engine.runner.forward.compile_report)
 """
 
 
@@ -111,30 +111,30 @@ def test_a_second_process_takes_the_compiled_code_from_the_disk(folder, tmp_path
 
 def test_steps_compile_per_bucket_on_first_use(llama):
     _, model = llama
-    engine = LLMEngine(model, max_num_seqs=2, kv_cache="paged", max_model_len=64)
-    runner = enable_compiled_decode(engine, buckets=[1, 2], spans=[32, 64])
+    engine = LLMEngine(model, max_num_seqs=2, kv_cache="paged", max_model_len=64,
+                       compile_decode={"buckets": [1, 2], "spans": [32, 64]})
+    runner = engine.runner.forward
     assert runner.steps == {} and runner.compile_report is None  # nothing yet
     engine.add_request([1, 5, 6], SamplingParams(temperature=0, max_tokens=3,
                                                  ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    assert list(runner.steps) == [(1, 32)]
+    assert list(runner.steps) == [(1, 32, 1)]
 
 
 def test_the_engine_option_and_its_checks(llama):
     _, model = llama
     engine = LLMEngine(model, max_num_seqs=2, compile_decode=True)
-    assert isinstance(engine.runner, CompiledRunner)
-    assert type(LLMEngine(model, compile_decode=False).runner).__name__ == "ModelRunner"
-    for bad in (1, "yes"):  # None: the option left out (off)
-        with pytest.raises(ValueError, match="compile_decode="):
+    assert isinstance(engine.runner.forward, CompiledForward)
+    assert type(LLMEngine(model, compile_decode=False).runner.forward).__name__ == \
+        "Forward"
+    for bad in (1, "yes", {"freezing": 1}, {"capture": True}):  # None: left out
+        with pytest.raises(ValueError, match="compile_decode"):
             LLMEngine(model, compile_decode=bad)
-    with pytest.raises(ValueError, match="already"):
-        enable_compiled_decode(engine)
     graphs = LLMEngine(model, max_num_seqs=2, cuda_graphs=True)
-    assert type(graphs.runner) is GraphRunner  # on a CPU: padded, eager, uncompiled
+    assert type(graphs.runner.forward) is GraphForward  # a CPU: padded, eager
     with pytest.raises(ValueError, match="max_graphs"):
-        enable_compiled_decode(LLMEngine(model, max_num_seqs=2), max_graphs=0)
+        LLMEngine(model, max_num_seqs=2, compile_decode={"max_graphs": 0})
 
 
 def test_inductor_settings_reach_the_compiled_step(llama):
@@ -146,16 +146,16 @@ def test_inductor_settings_reach_the_compiled_step(llama):
     with pytest.raises(ValueError, match="needs compile_decode=True"):
         LLMEngine(model, inductor_compile_config={"cpp_wrapper": True})
     engine = LLMEngine(model, compile_decode=True, inductor_compile_config=CPP_WRAPPER)
-    assert engine.runner.inductor == CPP_WRAPPER
+    assert engine.runner.forward.inductor == CPP_WRAPPER
     ids, runner = serve(model, True, inductor=CPP_WRAPPER)  # kernels called from C++
-    assert runner.inductor == CPP_WRAPPER and list(runner.steps) == [(4, 64)]
+    assert runner.inductor == CPP_WRAPPER and list(runner.steps) == [(4, 64, 1)]
     assert ids == serve(model, False)[0]
 
 
 def test_llm_takes_compile_decode(llama):
     _, model = llama
     llm = LLM(model, max_num_seqs=2, max_model_len=64, compile_decode=True)
-    assert isinstance(llm.engine.runner, CompiledRunner)
+    assert isinstance(llm.engine.runner.forward, CompiledForward)
 
 
 def test_bench_decode_compile_adds_a_compiled_twin_of_each_engine_way(folder):

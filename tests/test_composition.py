@@ -16,10 +16,10 @@ import pytest
 
 from minillm.engine import LLMEngine
 from minillm.engine.config import ENGINE_OPTIONS, EngineConfig, check_int
-from minillm.engine.graphs import GraphRunner
+from minillm.engine.graphs import GraphForward
 from minillm.loader import load_model
 from minillm.sampling import SamplingParams
-from minillm.spec.runner import SpeculativeRunner
+from minillm.spec.runner import Speculator
 from minillm.utils import bundled_model_path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
@@ -128,14 +128,14 @@ def test_each_engine_argument_is_checked_in_one_place():
 # --- what runs is written as data -------------------------------------------------------
 
 def test_options_apply_in_their_order_not_the_registration_order(model, monkeypatch):
-    """The latent bug: had cuda_graphs been applied after speculative_config, the graph
-    runner would have replaced the speculative one and speculation silently dropped."""
+    """Each option builds its own part of the runner: whatever order the table holds
+    them in, the engine has the graph forward and the speculator."""
     for order in (list(ENGINE_OPTIONS.items()), list(ENGINE_OPTIONS.items())[::-1]):
         monkeypatch.setattr("minillm.engine.config.ENGINE_OPTIONS", dict(order))
         engine = LLMEngine(model, max_num_seqs=2, max_model_len=128, cuda_graphs=True,
                            speculative_config=NGRAM)
-        assert isinstance(engine.runner, SpeculativeRunner)
-        assert isinstance(engine.runner.base, GraphRunner)
+        assert isinstance(engine.runner.speculator, Speculator)
+        assert isinstance(engine.runner.forward, GraphForward)
 
 
 def test_reordering_imports_changes_nothing():
@@ -149,8 +149,8 @@ def test_reordering_imports_changes_nothing():
              "import json\n"
              "print(json.dumps([[n for n, _, _ in e.config.ordered_options()], "
              "type(e.kv).__name__, type(e.scheduler).__name__, "
-             "type(e.runner).__name__, type(e.runner.base).__name__, "
-             "[type(p).__name__ for p in e.runner.base.logits_processors]]))")
+             "type(e.runner.speculator).__name__, type(e.runner.forward).__name__, "
+             "[type(p).__name__ for p in e.runner.logits_processors]]))")
     orders = ["import minillm.structured.engine, minillm.spec.engine, "
               "minillm.engine.graphs, minillm.kv.paged\n",
               "import minillm.kv.paged, minillm.engine.graphs, minillm.spec.engine, "
@@ -158,8 +158,8 @@ def test_reordering_imports_changes_nothing():
               ""]
     seen = [json.loads(python(first + probe)) for first in orders]
     assert seen[0] == seen[1] == seen[2], seen
-    assert seen[0][1:5] == ["PagedKVCache", "PagedScheduler", "SpeculativeRunner",
-                            "GraphRunner"]
+    assert seen[0][1:5] == ["PagedKVCache", "PagedScheduler", "Speculator",
+                            "GraphForward"]
 
 
 def test_the_tokenizer_loads_no_engine():

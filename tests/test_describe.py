@@ -19,7 +19,7 @@ KV cache           paged (chapter 6)
 scheduler          PagedScheduler (chapter 6): continuous, max_num_seqs=32,
                    max_num_batched_tokens=2048, chunked prefill on
 forward            eager (chapter 4)
-proposer           none: one token per forward
+speculator         none: one token per forward
 logits processors  min_tokens (chapter 2), structured_outputs_config='xgrammar' (chapter 11)"""
 
 FAST = """\
@@ -28,7 +28,7 @@ KV cache           paged (chapter 6), block_size=4
 scheduler          PagedScheduler (chapter 6): continuous, max_num_seqs=8,
                    max_num_batched_tokens=2048, chunked prefill on
 forward            attention_backend='in_place' (chapter 7a), compile_decode=True (chapter 7a)
-proposer           speculative_config={'num_speculative_tokens': 3, 'method': 'ngram',
+speculator         speculative_config={'num_speculative_tokens': 3, 'method': 'ngram',
                    'prompt_lookup_min': 5, 'prompt_lookup_max': 5} (chapter 10)
 logits processors  min_tokens (chapter 2), structured_outputs_config='xgrammar' (chapter 11)"""
 
@@ -38,7 +38,7 @@ KV cache           slots (chapter 4)
 scheduler          Scheduler (chapter 4): static, max_num_seqs=4, max_num_batched_tokens=2048,
                    chunked prefill off
 forward            cuda_graphs=True (chapter 7)
-proposer           none: one token per forward
+speculator         none: one token per forward
 logits processors  min_tokens (chapter 2), structured_outputs_config='xgrammar' (chapter 11)"""
 
 

@@ -1,4 +1,4 @@
-"""minillm.engine.graphs: the graph runner gives the tokens of the eager engine. On a
+"""minillm.engine.graphs: the graph forward gives the tokens of the eager engine. On a
 CPU it runs its static, padded buffers eagerly; the capture tests need a CUDA GPU."""
 import random
 
@@ -7,7 +7,7 @@ import torch
 
 from helpers import compiling, drive
 from minillm.engine import LLMEngine
-from minillm.engine.graphs import GraphRunner, default_buckets, enable_cuda_graphs
+from minillm.engine.graphs import GraphForward, default_buckets
 from minillm.sampling import SamplingParams
 
 torch.set_num_threads(1)
@@ -40,12 +40,13 @@ def requests(seed: int, n: int = 10):
 
 def serve(model, kv_cache: str, graphs: bool, arrivals, capture=False, **kw) -> list:
     """The output ids of every request, in the order they were added."""
-    engine = LLMEngine(model, max_num_seqs=5, kv_cache=kv_cache, **kw)
-    runner = enable_cuda_graphs(engine, capture=capture) if graphs else None
+    engine = LLMEngine(model, max_num_seqs=5, kv_cache=kv_cache,
+                       cuda_graphs={"capture": capture} if graphs else None, **kw)
+    runner = engine.runner.forward if graphs else None
     served = drive(engine, arrivals)
     if runner is not None:
-        assert runner.used and {b for b, _ in runner.used} <= {1, 2, 4, 5}
-        assert len({s for _, s in runner.used}) > 1  # spans grow with the requests
+        assert runner.used and {b for b, _, _ in runner.used} <= {1, 2, 4, 5}
+        assert len({s for _, s, _ in runner.used}) > 1  # spans grow with requests
         assert runner.replays == (sum(runner.used.values()) if runner.capture else 0)
     return [r.seq.output_ids for r in served.values()]
 
@@ -65,14 +66,14 @@ def test_refusals(llama):
     _, model = llama
     engine = LLMEngine(model, max_num_seqs=4)
     with pytest.raises(ValueError, match="buckets"):
-        GraphRunner(model, engine.kv, [4, 2], [16])
+        GraphForward(model, engine.kv, [4, 2], [16])
     with pytest.raises(ValueError, match="spans"):
-        GraphRunner(model, engine.kv, [1, 2], [])
+        GraphForward(model, engine.kv, [1, 2], [])
     with pytest.raises(ValueError, match="CUDA device"):
-        GraphRunner(model, engine.kv, [1, 2, 4], [16], capture=True)
-    enable_cuda_graphs(engine, capture=False)
-    with pytest.raises(ValueError, match="already"):
-        enable_cuda_graphs(engine)
+        GraphForward(model, engine.kv, [1, 2, 4], [16], capture=True)
+    for bad in ({"bucket": [1]}, {"buckets": "1"}, {"capture": 1}, [1, 2]):
+        with pytest.raises(ValueError, match="cuda_graphs"):
+            LLMEngine(model, max_num_seqs=4, cuda_graphs=bad)
 
 
 @pytest.mark.cuda
@@ -90,15 +91,15 @@ def test_graph_replay_equals_eager_on_the_gpu(llama, kv_cache):
 
 @pytest.mark.cuda
 def test_graphs_are_captured_and_replayed(llama, monkeypatch):
-    """On a GPU: every bucket is a graph once enable_cuda_graphs returns, its time and
+    """On a GPU: every bucket is a graph once the engine is built, its time and
     memory reported; each decode step replays one (cudaGraphLaunch in the profiler)
     and nothing is recorded while serving."""
     from torch.profiler import ProfilerActivity, profile
     _, model = llama
     gpu = model.to("cuda")
     try:
-        engine = LLMEngine(gpu, max_num_seqs=4, kv_cache="paged")
-        runner = enable_cuda_graphs(engine)
+        engine = LLMEngine(gpu, max_num_seqs=4, kv_cache="paged", cuda_graphs=True)
+        runner = engine.runner.forward
         assert len(runner.graphs) == len(runner.buckets) * len(runner.spans)
         assert runner.capture_seconds > 0 and runner.capture_bytes > 0
         monkeypatch.setattr(runner, "_capture", lambda key: pytest.fail(
@@ -127,10 +128,8 @@ def test_graphs_refuse_a_model_compiled_with_its_own_graphs(llama):
     _, model = llama
     gpu = copy.deepcopy(model).to("cuda")
     compile_parts(gpu, mode="reduce-overhead")
-    engine = LLMEngine(gpu, max_num_seqs=2)
     with pytest.raises(ValueError, match="reduce-overhead"):
-        enable_cuda_graphs(engine)
-    assert not isinstance(engine.runner, GraphRunner)
+        LLMEngine(gpu, max_num_seqs=2, cuda_graphs=True)
 
 
 @pytest.mark.cuda
@@ -154,32 +153,33 @@ def test_every_bucket_is_recorded_up_front_largest_first(llama, monkeypatch):
     as a CPU cannot record; on a GPU test_graphs_are_captured_and_replayed)."""
     _, model = llama
     engine = LLMEngine(model, max_num_seqs=4, kv_cache="paged")
-    runner = GraphRunner(model, engine.kv, [1, 2, 4], [16, 32])
+    runner = GraphForward(model, engine.kv, [1, 2, 4], [16, 32])
     recorded = []
     monkeypatch.setattr(runner, "_capture", lambda key: (
         recorded.append(key), runner.graphs.__setitem__(key, object())))
     report = runner.capture_all()
-    assert recorded == [(4, 32), (4, 16), (2, 32), (2, 16), (1, 32), (1, 16)]
+    assert recorded == [(4, 32, 1), (4, 16, 1), (2, 32, 1), (2, 16, 1), (1, 32, 1),
+                        (1, 16, 1)]
     assert report.startswith("captured 6 CUDA graphs in ")
     assert runner.capture_all() and len(recorded) == 6  # nothing twice
 
 
 def test_the_number_of_graphs_is_bounded(llama):
     _, model = llama
-    engine = LLMEngine(model, max_num_seqs=256, kv_cache="paged", num_blocks=64)
+    def graphs(max_num_seqs, **settings):
+        return LLMEngine(model, max_num_seqs=max_num_seqs, kv_cache="paged",
+                         num_blocks=64, cuda_graphs={"capture": False, **settings})
+    engine = graphs(256)
     assert engine.max_model_len == 128
-    assert len(enable_cuda_graphs(engine, capture=False).spans) == 4  # 16 ... 128
-    engine = LLMEngine(model, max_num_seqs=256, kv_cache="paged", num_blocks=64)
-    runner = enable_cuda_graphs(engine, capture=False, max_graphs=32)
+    assert len(engine.runner.forward.spans) == 4  # 16 ... 128
+    runner = graphs(256, max_graphs=32).runner.forward
     assert runner.buckets == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert runner.spans == [16, 64, 128]  # 9 x 4 > 32: the spans grow by 4x
-    engine = LLMEngine(model, max_num_seqs=8, kv_cache="paged", num_blocks=64)
     with pytest.raises(ValueError, match="4 batch buckets x 8 spans = 32 graphs"):
-        enable_cuda_graphs(engine, spans=default_buckets(2048, 16), max_graphs=16)
+        graphs(8, spans=default_buckets(2048, 16), max_graphs=16)
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="max_graphs"):
-            enable_cuda_graphs(engine, max_graphs=bad)
-    assert not isinstance(engine.runner, GraphRunner)  # refused: nothing changed
+            graphs(8, max_graphs=bad)
 
 
 def test_what_cannot_live_in_a_graph_is_named(llama):
@@ -201,11 +201,12 @@ def test_what_cannot_live_in_a_graph_is_named(llama):
     assert graph_blockers(fine) is None
 
 
-def test_graph_runner_keeps_the_engine_usable_after_an_error(llama):
+def test_graph_forward_keeps_the_engine_usable_after_an_error(llama):
     """A bad step (here: a forward that raises) leaves no request half done."""
     _, model = llama
-    engine = LLMEngine(model, max_num_seqs=4, kv_cache="paged")
-    runner = enable_cuda_graphs(engine, capture=False)
+    engine = LLMEngine(model, max_num_seqs=4, kv_cache="paged",
+                       cuda_graphs={"capture": False})
+    runner = engine.runner.forward
     rid = engine.add_request([1, 5, 7], SamplingParams(temperature=0, max_tokens=6))
     engine.step()                                   # prefill, eager
     free = engine.kv.blocks.num_free
@@ -233,11 +234,12 @@ def test_engine_and_llm_take_cuda_graphs(llama):
     from minillm.engine import LLM
     _, model = llama
     engine = LLMEngine(model, max_num_seqs=3, cuda_graphs=True)
-    assert isinstance(engine.runner, GraphRunner)
-    assert engine.runner.capture is (engine.runner.device.type == "cuda")
-    assert not isinstance(LLMEngine(model, max_num_seqs=3).runner, GraphRunner)
+    assert isinstance(engine.runner.forward, GraphForward)
+    assert engine.runner.forward.capture is (engine.runner.device.type == "cuda")
+    assert not isinstance(LLMEngine(model, max_num_seqs=3).runner.forward,
+                          GraphForward)
     llm = LLM(model, max_num_seqs=3, kv_cache="slots", cuda_graphs=True)
-    assert isinstance(llm.engine.runner, GraphRunner)
+    assert isinstance(llm.engine.runner.forward, GraphForward)
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     prompts = [[1, 4, 9], [1, 16, 25, 36, 49], [1, 2]]
     eager = LLM(model, max_num_seqs=3, kv_cache="slots").generate(prompts, params,
@@ -245,8 +247,9 @@ def test_engine_and_llm_take_cuda_graphs(llama):
     graphs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in graphs] == \
         [o.outputs[0].token_ids for o in eager]
-    for bad in (1, "yes"):
+    for bad in (1, "yes", {"spans": [0]}):
         with pytest.raises(ValueError, match="cuda_graphs"):
             LLMEngine(model, cuda_graphs=bad)
     # None is what leaving the option out gives every registered option: off
-    assert not isinstance(LLMEngine(model, cuda_graphs=None).runner, GraphRunner)
+    assert not isinstance(LLMEngine(model, cuda_graphs=None).runner.forward,
+                          GraphForward)

@@ -339,10 +339,8 @@ def test_bad_arguments_get_a_clear_error(bundled, call, match):
 
 
 def test_graph_buckets_must_be_ints(bundled):
-    from minillm.engine.graphs import enable_cuda_graphs
-    engine = LLMEngine(*bundled, kv_cache="slots")
-    with pytest.raises(ValueError, match=r"buckets=\[1.5\]"):
-        enable_cuda_graphs(engine, buckets=[1.5])
+    with pytest.raises(ValueError, match=r"cuda_graphs: buckets=\[1.5\]"):
+        LLMEngine(*bundled, kv_cache="slots", cuda_graphs={"buckets": [1.5]})
 
 
 def test_llm_loads_a_folder_in_int8(bundled):

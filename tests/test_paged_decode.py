@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from helpers import drive, make_model_pair
 from minillm.engine import LLMEngine
-from minillm.engine.compiled import CompiledRunner
+from minillm.engine.compiled import CompiledForward
 from minillm.paged_decode import PagesInPlace, attend_pages, paged_decode
 from minillm.sampling import SamplingParams
 
@@ -114,8 +114,8 @@ def test_in_place_gives_the_gather_tokens_in_float32(wide_heads):
         engine = LLMEngine(wide_heads, max_num_seqs=4, kv_cache="paged",
                            max_model_len=128, block_size=8, compile_decode=True,
                            attention_backend=backend)
-        runner = engine.runner
-        assert isinstance(runner, CompiledRunner) and runner.attention == backend
+        runner = engine.runner.forward
+        assert isinstance(runner, CompiledForward) and runner.attention == backend
         assert isinstance(runner.step_kv, PagesInPlace) == (backend == "in_place")
         served[backend] = [r.seq.output_ids for r in drive(engine, arrivals()).values()]
         assert sum(runner.used.values()) > 10  # decode steps went through it
@@ -133,5 +133,6 @@ def test_the_option_and_its_checks(llama, wide_heads):
     with pytest.raises(ValueError, match="this pool: SlotKVCache"):
         LLMEngine(wide_heads, kv_cache="slots", compile_decode=True,
                   attention_backend="in_place")
-    default = LLMEngine(wide_heads, kv_cache="paged", compile_decode=True).runner
+    default = LLMEngine(wide_heads, kv_cache="paged",
+                        compile_decode=True).runner.forward
     assert default.attention == "gather" and default.step_kv is default.kv

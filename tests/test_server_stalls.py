@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 
 from minillm.serve.app import build_app  # noqa: E402
 from minillm.serve.cli import BackgroundServer  # noqa: E402
+from minillm.structured.engine import structured_output_manager  # noqa: E402
 from test_serve import NAME, tiny_llm, wait_idle  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -54,7 +55,7 @@ def test_a_grammar_compiles_off_the_engine_thread(served, monkeypatch):
     """While one request's grammar compiles (here: made to take 3 s), a plain request
     sent after it is answered and /health stays 200: the engine thread never waits."""
     url, engine = served
-    backend = engine.structured_output_manager.backend
+    backend = structured_output_manager(engine).backend
     real = backend.compile
 
     def slow(so):
@@ -79,7 +80,7 @@ def test_a_grammar_compiles_off_the_engine_thread(served, monkeypatch):
 def test_a_compile_past_its_deadline_is_a_400(served, monkeypatch):
     import minillm.structured.serve as sserve
     url, engine = served
-    backend = engine.structured_output_manager.backend
+    backend = structured_output_manager(engine).backend
     real = backend.compile
     monkeypatch.setattr(sserve, "COMPILE_TIMEOUT", 0.5)
     monkeypatch.setattr(backend, "compile", lambda so: time.sleep(1.5) or real(so))

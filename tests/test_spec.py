@@ -64,15 +64,15 @@ def greedy(max_tokens: int | None, **kw) -> SamplingParams:
 def record_drafts(engine) -> list:
     """Wrap the engine's verify step: each call appends one list of (request id,
     drafts, new tokens, tokens so far, outputs so far, max_tokens) per request."""
-    runner, calls = engine.runner, []
-    verify = runner.verify
+    speculator, calls = engine.runner.speculator, []
+    verify = speculator.verify
 
-    def recording(batch, drafts, q):
+    def recording(runner, batch, drafts, q):
         calls.append([(s.request_id, list(d), n, s.num_tokens, len(s.output_ids),
                        s.params.max_tokens)
                       for s, n, d in zip(batch.seqs, batch.num_new, drafts)])
-        return verify(batch, drafts, q)
-    object.__setattr__(runner, "verify", recording)  # the instance, not the base
+        return verify(runner, batch, drafts, q)
+    speculator.verify = recording  # this engine's speculator only
     return calls
 
 
@@ -142,7 +142,7 @@ def assert_nothing_held(engine) -> None:
         assert bm.num_free == bm.num_blocks and not bm.tables
     else:
         assert not engine.kv.row_of
-    proposer = engine.runner.proposer
+    proposer = engine.runner.speculator.proposer
     if hasattr(proposer, "done"):
         assert not proposer.done and not proposer.runner.kv.row_of
     assert not engine.requests and not engine.has_unfinished()
@@ -193,7 +193,7 @@ def test_greedy_tokens_are_those_without_speculation(tiny, proposer, kv_cache):
     got = run(engine, alone, check_blocks)
     assert_same(got, reference(tiny, kv_cache, alone, "alone", max_num_seqs=8,
                                max_num_batched_tokens=32))
-    assert engine.runner.stats.num_accepted_tokens > 0  # speculation ran
+    assert engine.runner.speculator.stats.num_accepted_tokens > 0  # speculation ran
     # a mixed batch on a fresh engine
     arrivals = mixed_workload(tiny[1])
     engine = make_engine(tiny, spec, kv_cache=kv_cache, max_num_seqs=8,
@@ -204,7 +204,7 @@ def test_greedy_tokens_are_those_without_speculation(tiny, proposer, kv_cache):
                      max_num_batched_tokens=32)
     assert_same(got, want)
     assert_nothing_held(engine)
-    stats = engine.runner.stats
+    stats = engine.runner.speculator.stats
     assert stats.num_accepted_tokens > 0
     assert stats.num_accepted_tokens <= stats.num_draft_tokens
     assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
@@ -252,7 +252,7 @@ def test_greedy_on_the_real_model_at_batch_1():
                        max_num_seqs=1)
     got = run(spec, [(0, prompt, params)])
     assert list(got.values())[0][0][0] == list(want)
-    assert spec.runner.stats.num_accepted_tokens > 0
+    assert spec.runner.speculator.stats.num_accepted_tokens > 0
 
 
 # --- the rejection sampler against the theory -------------------------------------
@@ -403,7 +403,7 @@ def test_sampled_answers_have_the_distribution_of_plain_decoding(
     spec = (dict(NGRAM, num_speculative_tokens=2) if proposer == "ngram" else
             {"model": truncated_draft(tiny[0]), "num_speculative_tokens": 2})
     got, engine = sample_many(tiny, spec, 12 if proposer == "ngram" else 8, seed0=7)
-    stats = engine.runner.stats
+    stats = engine.runner.speculator.stats
     assert stats.num_accepted_tokens > 100  # drafts were kept ...
     assert stats.num_draft_tokens - stats.num_accepted_tokens > 100  # ... and refused
     stat, df = homogeneity(plain_samples, got)
@@ -493,7 +493,7 @@ def test_preemption_with_drafts(tiny, proposer):
                          num_blocks=24, block_size=4)
     got = run(engine, arrivals, check_blocks)
     assert engine.scheduler.num_preemptions > 0
-    assert engine.runner.stats.num_accepted_tokens > 0
+    assert engine.runner.speculator.stats.num_accepted_tokens > 0
     assert got == want
     assert_nothing_held(engine)
 
@@ -509,7 +509,7 @@ def test_blocks_filled_by_accepted_drafts_are_shared_correctly(tiny):
     got = run(engine, [(0, prompt, greedy(12))], check_blocks)
     assert (engine.kv.blocks.hits - hits) * 4 > len(tiny[1].encode(REPEAT)) + 16
     assert got["1"] == run(make_engine(tiny), [(0, prompt, greedy(12))])["0"]
-    assert engine.runner.stats.num_accepted_tokens > 8
+    assert engine.runner.speculator.stats.num_accepted_tokens > 8
     assert_nothing_held(engine)
 
 
@@ -578,10 +578,9 @@ def test_static_batching_cannot_speculate(tiny):
 
 def test_no_speculation_without_a_config(tiny):
     engine = make_engine(tiny)
-    assert not hasattr(engine.runner, "stats") and not hasattr(
-        engine, "speculative_config")
+    assert engine.runner.speculator is None
     spec = make_engine(tiny, {"method": "ngram", "num_speculative_tokens": 2})
-    assert spec.speculative_config == {
+    assert spec.config.options["speculative_config"] == {
         "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
         "prompt_lookup_max": 5}  # vLLM's defaults
 
@@ -629,5 +628,5 @@ def test_fuzz_random_requests_aborts_and_drafts_on_a_small_pool(tiny, seed):
             assert len(s.output_ids) <= params.max_tokens
             if s.finish_reason == "length":
                 assert len(s.output_ids) == params.max_tokens
-    assert engine.runner.stats.num_drafts > 0
+    assert engine.runner.speculator.stats.num_drafts > 0
     assert_nothing_held(engine)

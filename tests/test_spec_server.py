@@ -104,7 +104,7 @@ def test_completion_at_temperature_0_is_the_plain_answer(client, offline,
     accepted = "minillm:spec_decode_num_accepted_tokens_total"
     assert after[drafted] > before.get(drafted, 0)  # this request speculated
     assert after[accepted] > before.get(accepted, 0)
-    stats = engine.runner.stats  # the page says what the engine counted
+    stats = engine.runner.speculator.stats  # the page says what the engine counted
     assert after[accepted] == stats.num_accepted_tokens
     assert after[drafted] == stats.num_draft_tokens
     assert after["minillm:spec_decode_num_drafts_total"] == stats.num_drafts
@@ -201,8 +201,8 @@ def test_main_serves_a_speculative_engine(monkeypatch):
                      "--speculative-config", draft]) == 0
     server = apps[0].state.server
     engine = server.engine.engine
-    assert engine.speculative_config["method"] == "draft_model"
-    assert engine.runner.k == 2
+    assert engine.config.options["speculative_config"]["method"] == "draft_model"
+    assert engine.runner.speculator.k == 2
     assert set(spec_counters(server.metrics.render().decode())) == {
         "minillm:spec_decode_num_drafts_total",
         "minillm:spec_decode_num_draft_tokens_total",

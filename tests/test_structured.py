@@ -25,7 +25,8 @@ from minillm.engine.llm_engine import LLMEngine
 from minillm.sources import SMOLLM2, local_copy
 from minillm.structured import engine as so_engine
 from minillm.structured.backends import FSMBackend, XGrammarBackend, token_vocab
-from minillm.structured.engine import apply_bitmask, check_structured_outputs_config
+from minillm.structured.engine import (apply_bitmask, check_structured_outputs_config,
+                                      structured_output_manager)
 from minillm.structured.fsm import (DFA, MAX_DFA_STATES, FSMGrammar, FSMMatcher,
                                     int_range_regex,
                                     allowed_tokens, pack_bits, parse_regex,
@@ -569,7 +570,7 @@ def test_generate_and_chat_answers_validate(llms, backend):
     convs = [[{"role": "user", "content": p}] for p in prompts]
     outs = llm.chat(convs, params, use_tqdm=False)
     check_all(outs, params)
-    assert llm.engine.structured_output_manager.mask_seconds > 0
+    assert structured_output_manager(llm.engine).mask_seconds > 0
     assert not llm.engine.requests and not llm.engine.has_unfinished()
 
 
@@ -639,7 +640,7 @@ def test_speculation_gives_the_same_constrained_tokens(llms, tiny, backend):
         assert [o.outputs[0].token_ids for o in got] == [
             o.outputs[0].token_ids for o in want]
         check_all(got, [p] * 3)
-    stats = drafting.engine.runner.stats
+    stats = drafting.engine.runner.speculator.stats
     assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < \
         stats.num_draft_tokens  # some drafts taken, some refused
     bm = drafting.engine.kv.blocks
@@ -647,7 +648,7 @@ def test_speculation_gives_the_same_constrained_tokens(llms, tiny, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_graph_runner_and_slots_still_apply_the_mask(llms, tiny, backend):
+def test_the_graph_forward_and_slots_still_apply_the_mask(llms, tiny, backend):
     p = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=s)
          for s in BOUNDED.values()]
     want = llms[backend].generate(PROMPTS, p, use_tqdm=False)
@@ -659,9 +660,9 @@ def test_the_graph_runner_and_slots_still_apply_the_mask(llms, tiny, backend):
         assert [o.outputs[0].token_ids for o in got] == [
             o.outputs[0].token_ids for o in want], kw
         check_all(got, p)
-        assert llm.engine.structured_output_manager.mask_seconds > 0
+        assert structured_output_manager(llm.engine).mask_seconds > 0
         if kw.get("cuda_graphs"):
-            assert type(llm.engine.runner).__name__ == "GraphRunner"
+            assert type(llm.engine.runner.forward).__name__ == "GraphForward"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -677,7 +678,7 @@ def test_abort_mid_answer_leaves_nothing_and_others_go_on(tiny, backend):
     c = engine.add_request(PROMPTS[2], free)
     for _ in range(6):
         engine.step()
-    assert engine.requests[a].grammar.taken > 0  # it was masked mid-way
+    assert engine.requests[a].extras["grammar"].taken > 0  # it was masked mid-way
     engine.abort(a)
     engine.abort(b)
     assert engine.pop(a).finish_reason == "abort"
@@ -743,7 +744,7 @@ def test_llm_generate_with_one_bad_request_runs_none(llms, monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_schema_is_compiled_once_for_many_requests(tiny, backend, monkeypatch):
     llm = LLM(tiny[0], tiny[1], structured_outputs_config={"backend": backend})
-    manager = llm.engine.structured_output_manager
+    manager = structured_output_manager(llm.engine)
     compiled = []
     backend_obj = manager.backend
     real = backend_obj.compile
@@ -845,9 +846,9 @@ def test_done_when_the_real_models_answers_parse_and_validate(real, backend):
 
 def test_the_manager_is_a_logits_processor_of_every_runner(tiny):
     engine = LLMEngine(tiny[0], tiny[1], speculative_config=NGRAM)
-    manager = engine.structured_output_manager
+    manager = structured_output_manager(engine)
     assert isinstance(manager, so_engine.StructuredOutputManager)
-    assert manager in engine.runner.base.logits_processors
+    assert manager in engine.runner.logits_processors
     free = torch.randn(2, 7)
     seqs = [type("S", (), {"params": SamplingParams()})()] * 2
     assert manager(free, seqs) is free  # no constraint: nothing copied or masked

@@ -183,8 +183,8 @@ def engine_run(engine, prompt: list[int], n: int, batch: int, device) -> dict:
     out = {"ms_per_token": statistics.median(decode) * 1e3,
            "tokens_per_s": batch * n / seconds, "seconds": seconds,
            "ids": engine.pop(rids[0]).output_ids}
-    if hasattr(engine.runner, "compile_seconds"):  # a compiled step: so far
-        out["compile_s"] = engine.runner.compile_seconds
+    if hasattr(engine.runner.forward, "compile_seconds"):  # compiled: so far
+        out["compile_s"] = engine.runner.forward.compile_seconds
     return out
 
 

@@ -104,8 +104,8 @@ def run_spec_benchmark(model: str = "smollm2-135m-instruct", dtype=torch.bfloat1
             batches = [[c] for c in convs] if n == 1 else [convs]
             for llm in llms.values():
                 _serve(llm, convs[:1], 8)  # warm-up
-                if hasattr(llm.engine.runner, "stats"):
-                    llm.engine.runner.stats.__init__()
+                if llm.engine.runner.speculator is not None:
+                    llm.engine.runner.speculator.stats.__init__()
             speed = {w: [] for w in llms}
             differ = {w: 0 for w in llms}
             for _ in range(rounds):  # in turns
@@ -122,7 +122,8 @@ def run_spec_benchmark(model: str = "smollm2-135m-instruct", dtype=torch.bfloat1
                     print(f"{task}, {n} at once, {way}: {speed[way][-1]:.1f} "
                           "tokens/s", file=sys.stderr, flush=True)  # progress
             for way, llm in llms.items():
-                stats = getattr(llm.engine.runner, "stats", None)
+                spec = llm.engine.runner.speculator
+                stats = spec and spec.stats
                 ratio = statistics.median(
                     a / b for a, b in zip(speed[way], speed["plain"]))
                 rows.append({"task": task, "requests_at_once": n, "way": way,

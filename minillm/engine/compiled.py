@@ -12,15 +12,16 @@ from torch._dynamo.utils import counters
 
 from ..features import Registry
 from .config import register_engine_option
-from .graphs import GraphRunner, _buckets_and_spans, _take_over
+from .graphs import (GraphForward, _buckets_and_spans,
+                                   check_graph_settings, settings_of)
 from ..model import StepMeta
 
 _log = logging.getLogger("minillm")
 
 
 # %% auto #0
-__all__ = ['DECODE_ATTENTION', 'CompiledRunner', 'enable_compiled_decode', 'compile_decode_option', 'attention_backend_option',
-           'inductor_compile_config_option']
+__all__ = ['DECODE_ATTENTION', 'COMPILE_SETTINGS', 'CompiledForward', 'compiled_forward', 'compile_decode_option',
+           'attention_backend_option', 'inductor_compile_config_option']
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c97w-cstep-h
 def _own_code(fn, name: str):
@@ -54,10 +55,10 @@ def _compile_now(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
     return logits
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c97x-cstep
-class CompiledRunner(GraphRunner):
-    """The graph runner whose padded decode steps run a function torch.compile'd for
-    their (batch size, attention span) bucket, compiled on its first use (on a CPU:
-    inductor's C++ code)."""
+class CompiledForward(GraphForward):
+    """The graph forward whose padded steps run a function torch.compile'd for
+    their bucket (batch size, attention span, tokens per row), compiled on its
+    first use (on a CPU: inductor's C++ code)."""
 
     def __init__(self, model, kv, buckets: list[int], spans: list[int],
                  freezing: bool = False, attention: str = "gather",
@@ -65,57 +66,61 @@ class CompiledRunner(GraphRunner):
         super().__init__(model, kv, buckets, spans, capture=False)
         self.freezing, self.attention = freezing, attention
         self.inductor = dict(inductor or {})  # more of inductor's settings
-        self.step_kv = DECODE_ATTENTION[attention](kv)
-        self.steps: dict[tuple, object] = {}  # (bucket, span) -> its compiled step
+        self.step_kv = DECODE_ATTENTION[attention](kv)  # one token per row
+        self.steps: dict[tuple, object] = {}  # bucket -> its compiled step
         self.compile_seconds, self.cache_hits = 0.0, 0
         self.compile_report: str | None = None  # what compiling took so far
 
-    def compiled_step(self, key: tuple[int, int]):
-        """One bucket's decode forward as a function of its buffers, compiled."""
-        span = key[1]
+    def compiled_step(self, key: tuple[int, int, int]):
+        """One bucket's forward as a function of its buffers, compiled."""
+        batch, span, width = key
+        kv = self.step_kv if width == 1 else self.kv  # verify rows: the pool's
 
-        def step(ids, positions, slot_mapping, block_tables, logits_index):
-            meta = StepMeta(positions=positions, logits_index=logits_index,
-                            slot_mapping=slot_mapping, block_tables=block_tables,
+        def step(ids, positions, slot_mapping, block_tables):
+            meta = StepMeta(positions=positions, slot_mapping=slot_mapping,
+                            block_tables=block_tables,
                             max_context=span)  # a constant: the bucket's span
-            return self.model(ids, positions, kv=self.step_kv, meta=meta)
-        step = _own_code(step, f"decode_step_{key[0]}x{key[1]}")
+            return self.model(ids, positions, kv=kv, meta=meta)
+        step = _own_code(step, f"step_{batch}x{span}x{width}")
         return torch.compile(step, fullgraph=True, dynamic=False, options={
             "freezing": self.freezing, "emulate_precision_casts": True,
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             **self.inductor})
 
-    def forward_step(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
+    def forward_step(self, key: tuple[int, int, int], ids, meta) -> torch.Tensor:
         if key not in self.steps:
             self.steps[key] = self.compiled_step(key)
             return _compile_now(self, key, ids, meta)  # timed, reported
         return self.steps[key](ids, meta.positions, meta.slot_mapping,
-                               meta.block_tables, meta.logits_index)
+                               meta.block_tables)
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c97z-cstep
-def enable_compiled_decode(engine, buckets: list[int] | None = None,
-                           spans: list[int] | None = None, max_graphs: int = 64,
-                           freezing: bool = False, attention: str = "gather",
-                           inductor: dict | None = None) -> CompiledRunner:
-    """Make `engine`'s decode steps run one torch.compile'd step per bucket, each
-    compiled on its first use; buckets and spans as enable_cuda_graphs chooses them
+def compiled_forward(engine, buckets: list[int] | None = None,
+                     spans: list[int] | None = None, max_graphs: int = 64,
+                     freezing: bool = False, attention: str = "gather",
+                     inductor: dict | None = None) -> CompiledForward:
+    """The engine's forward through one torch.compile'd step per bucket, each
+    compiled on its first use; buckets and spans as graph_forward chooses them
     (max_graphs bounds the number of compiled steps); `attention`: a name in
     DECODE_ATTENTION; `inductor`: more torch._inductor.config settings."""
     attention_backend_option(attention)
     inductor_compile_config_option(inductor)
     buckets, spans = _buckets_and_spans(engine, buckets, spans, max_graphs)
-    old = engine.runner
-    runner = _take_over(CompiledRunner(old.model, old.kv, buckets, spans, freezing,
-                                       attention, inductor), old)
-    engine.runner = runner
-    return runner
+    return CompiledForward(engine.model, engine.kv, buckets, spans, freezing,
+                           attention, inductor)
 
 
-def compile_decode_option(on: bool | None) -> bool | None:
-    """LLMEngine(..., compile_decode=True): decode through compiled steps."""
-    if on is not None and not isinstance(on, bool):  # None: left out
-        raise ValueError(f"compile_decode={on!r}: must be True or False")
-    return on or None
+COMPILE_SETTINGS = ("buckets", "spans", "max_graphs", "freezing")
+
+
+def compile_decode_option(value) -> dict | None:
+    """LLMEngine(..., compile_decode=True), or a dict of compiled_forward's
+    settings ({"buckets": [1, 4], "freezing": True}): steps through compiled code."""
+    settings = check_graph_settings("compile_decode", value, COMPILE_SETTINGS)
+    if not isinstance(settings_of(settings).get("freezing", False), bool):
+        raise ValueError(f"compile_decode freezing={settings['freezing']!r}: must "
+                         "be True or False")
+    return settings
 
 
 def attention_backend_option(name: str | None) -> str | None:
@@ -140,14 +145,15 @@ def inductor_compile_config_option(config: dict | None) -> dict | None:
 
 
 register_engine_option("compile_decode", compile_decode_option, order=20,
-                       apply=lambda engine, on: enable_compiled_decode(
-                           engine, attention=engine.config.options.get(
+                       apply=lambda engine, on: compiled_forward(
+                           engine, **settings_of(on),
+                           attention=engine.config.options.get(
                                "attention_backend") or "gather",
                            inductor=engine.config.options.get(
                                "inductor_compile_config")),
                        excludes=("cuda_graphs",), part="forward")
 for _name, _check in [("attention_backend", attention_backend_option),
                       ("inductor_compile_config", inductor_compile_config_option)]:
-    register_engine_option(_name, _check, order=19,  # compile_decode's apply reads
-                           apply=lambda engine, value: None,  # them
+    register_engine_option(_name, _check, order=19,  # settings: compile_decode's
+                           apply=lambda engine, value: None,  # apply reads them
                            needs={"compile_decode": True}, part="forward")

@@ -22,9 +22,10 @@ MAX_NUM_SEQS = 65_536  # more rows than any device holds: refused before any wor
 @dataclass(frozen=True)
 class EngineOption:
     """An option a later chapter adds to LLMEngine: check(value, or None when left
-    out) -> the value kept in EngineConfig.options (None: off); apply(engine, value)
-    once the engine's parts are built, in `order`, lower first (chapter 7's runners
-    before chapter 10's wrapper around them); `excludes`: options it cannot go with;
+    out) -> the value kept in EngineConfig.options (None: off); apply(engine, value),
+    in `order`, lower first, once the KV cache and scheduler are built: an option on
+    the "model" changes it in place and returns None, the others return their part
+    of the runner (runner_parts); `excludes`: options it cannot go with;
     `needs`: the values it needs of the config's fields or of other options
     (chapter 10: {"policy": "continuous"}; {"compile_decode": True}); `part`: which
     part of the engine it changes, for describe() (one of PARTS)."""
@@ -38,7 +39,7 @@ class EngineOption:
 
 # by name (chapters 7, 10, 11)
 ENGINE_OPTIONS = Registry("minillm.engine.config.ENGINE_OPTIONS")
-PARTS = ("model", "forward", "proposer", "processors")  # what an option changes:
+PARTS = ("model", "forward", "speculator", "processors")  # what an option changes:
 #   the model's layers, how a forward runs, who drafts tokens, the logits
 
 
@@ -132,8 +133,8 @@ def check_engine_config(c: EngineConfig) -> None:
         if clash:
             raise ValueError(f"{name} and {clash[0]} cannot go together: give one")
         for other, value in option.needs:  # a field's value, or another option's
-            if (c.options.get(other) if other in options
-                    else getattr(c, other)) != value:
+            got = c.options.get(other) if other in options else getattr(c, other)
+            if got != value and not (value is True and got is not None):  # True: on
                 raise ValueError(f"{name} needs {other}={value!r}: add it, or "
                                  f"leave {name} out")
 
@@ -181,7 +182,7 @@ def _describe(self) -> str:
              f"={self.max_num_batched_tokens}, chunked prefill "
              f"{'on' if self.enable_chunked_prefill else 'off'}"),
             ("forward", options("forward") or "eager (chapter 4)"),
-            ("proposer", options("proposer") or "none: one token per forward"),
+            ("speculator", options("speculator") or "none: one token per forward"),
             ("logits processors", ", ".join(filter(None, [
                 "min_tokens (chapter 2)", options("processors")])))]
     return "\n".join(textwrap.fill(what, 100, initial_indent=f"{part:<18} ",

@@ -10,7 +10,7 @@ import time
 import torch
 
 from .config import register_engine_option
-from .runner import ModelRunner
+from .runner import Forward
 from ..model import StepMeta
 from ..perf import _check_ints
 from ..utils import check_int, synchronize
@@ -21,12 +21,14 @@ _log = logging.getLogger("minillm")
 def _check_buckets(**lists) -> None:
     """Each list of buckets: increasing ints >= 1."""
     for name, xs in lists.items():
-        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
-        if not xs or not ints or sorted(set(xs)) != list(xs) or xs[0] < 1:
+        ints = isinstance(xs, (list, tuple)) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in xs)
+        if not ints or not xs or sorted(set(xs)) != list(xs) or xs[0] < 1:
             raise ValueError(f"{name}={xs!r}: give increasing ints >= 1")
 
 # %% auto #0
-__all__ = ['default_buckets', 'GraphRunner', 'graph_blockers', 'enable_cuda_graphs', 'cuda_graphs_option', 'compile_parts']
+__all__ = ['GRAPH_SETTINGS', 'default_buckets', 'GraphForward', 'graph_blockers', 'check_graph_settings', 'graph_forward',
+           'settings_of', 'cuda_graphs_option', 'compile_parts']
 
 # %% ../../chapters/07_performance.ipynb #c41-graphs
 def default_buckets(largest: int, smallest: int = 1, factor: int = 2) -> list[int]:
@@ -41,44 +43,50 @@ def default_buckets(largest: int, smallest: int = 1, factor: int = 2) -> list[in
     return out + [largest]
 
 # %% ../../chapters/07_performance.ipynb #c42-graphs
-class GraphRunner(ModelRunner):
-    """Chapter 4's runner (on either backend), whose decode steps go through one
-    CUDA graph per (batch size, attention span) bucket."""
+class GraphForward(Forward):
+    """Chapter 4's forward, whose steps of equal rows (decode: one token each;
+    chapter 10's verify: k + 1) run through one CUDA graph per bucket: (batch size,
+    attention span, tokens per row). A packed step, or one that no bucket holds,
+    runs eagerly."""
+    fixed_shapes = True
 
     def __init__(self, model, kv, buckets: list[int], spans: list[int],
                  capture: bool | None = None):
         super().__init__(model, kv)
         _check_buckets(buckets=buckets, spans=spans)
         self.buckets, self.spans = list(buckets), list(spans)
-        self.block_size = getattr(self.kv, "block_size", None)  # None: slots
+        self.device = model.embed_tokens.weight.device
+        self.block_size = getattr(kv, "block_size", None)  # None: slots
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
             raise ValueError(f"capture=True needs a CUDA device, not {self.device}")
-        self.static: dict[tuple, tuple] = {}  # (bucket, span) -> (ids, meta, logits)
+        self.static: dict[tuple, tuple] = {}  # bucket -> (ids, meta, logits)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None                      # one memory pool for every graph
-        self.used = collections.Counter()     # decode steps per (bucket, span)
+        self.used = collections.Counter()     # steps per bucket
         self.replays = 0                      # of them, replayed graphs
         self.capture_seconds, self.capture_bytes = 0.0, 0
         self.capture_report: str | None = None  # what capture_all took
 
-    def key(self, batch_size: int, context: int) -> tuple[int, int] | None:
-        """The smallest (bucket, span) that holds the step; None: run it eagerly."""
+    def key(self, batch_size: int, context: int, width: int = 1) -> tuple | None:
+        """The smallest (batch, span) bucket that holds the step, with its tokens
+        per row; None: run it eagerly."""
         b = next((b for b in self.buckets if b >= batch_size), None)
         s = next((s for s in self.spans if s >= context), None)
-        return None if b is None or s is None else (b, s)
+        return None if b is None or s is None else (b, s, width)
 
 # %% ../../chapters/07_performance.ipynb #c43-graphs
-def _buffers(self, key: tuple[int, int]) -> tuple:
-    """Static input tensors of one (bucket, span), filled with padding rows."""
-    b, span = key
-    width = 1 if self.block_size is None else -(-span // self.block_size)
+def _buffers(self, key: tuple[int, int, int]) -> tuple:
+    """Static input tensors of one bucket, filled with padding rows. Every token's
+    logits come out: [batch, tokens per row, vocab]."""
+    b, span, width = key
+    blocks = 1 if self.block_size is None else -(-span // self.block_size)
 
     def z(*shape):
         return torch.zeros(*shape, dtype=torch.long, device=self.device)
-    meta = StepMeta(positions=z(b, 1), logits_index=z(b), slot_mapping=z(b, 1),
-                    block_tables=z(b, width), max_context=span)
-    ids = z(b, 1)
+    meta = StepMeta(positions=z(b, width), slot_mapping=z(b, width),
+                    block_tables=z(b, blocks), max_context=span)
+    ids = z(b, width)
     _fill(self, ids, meta, None, None)
     return ids, meta
 
@@ -100,7 +108,7 @@ def _fill(self, ids, meta, new_ids, new_meta) -> None:
     meta.cache.clear()                         # a fresh mask for this step
 
 
-GraphRunner._buffers, GraphRunner._fill = _buffers, _fill
+GraphForward._buffers, GraphForward._fill = _buffers, _fill
 
 # %% ../../chapters/07_performance.ipynb #c44-graphs
 def _forward(self, ids, meta) -> torch.Tensor:
@@ -108,7 +116,7 @@ def _forward(self, ids, meta) -> torch.Tensor:
     return self.model(ids, meta.positions, kv=self.kv, meta=meta)
 
 
-def _capture(self, key: tuple[int, int]) -> None:
+def _capture(self, key: tuple[int, int, int]) -> None:
     """Record one bucket's decode forward (on padding rows only) as a CUDA graph."""
     ids, meta = self._buffers(key)
     stream = torch.cuda.Stream(self.device)
@@ -125,10 +133,10 @@ def _capture(self, key: tuple[int, int]) -> None:
     self.static[key], self.graphs[key] = (ids, meta, logits), graph
 
 
-GraphRunner._capture = _capture
+GraphForward._capture = _capture
 
 # %% ../../chapters/07_performance.ipynb #c44-graphs-h
-def _capture_or_explain(self, key: tuple[int, int]) -> None:
+def _capture_or_explain(self, key: tuple[int, int, int]) -> None:
     """Record one bucket; out of GPU memory, drop every graph and say what to change."""
     try:
         self._capture(key)
@@ -138,13 +146,14 @@ def _capture_or_explain(self, key: tuple[int, int]) -> None:
         self.pool = None
         raise MemoryError(
             f"no GPU memory left to record the graph of batch {key[0]}, span "
-            f"{key[1]}: give enable_cuda_graphs smaller buckets or spans, or "
+            f"{key[1]}: give cuda_graphs smaller buckets or spans, or "
             "lower gpu_memory_utilization") from None
 
 # %% ../../chapters/07_performance.ipynb #c44-graphs-c
-def _capture_order(self) -> list[tuple[int, int]]:
-    """Every (bucket, span), the largest first (the others reuse its memory)."""
-    return sorted(((b, s) for b in self.buckets for s in self.spans), reverse=True)
+def _capture_order(self) -> list[tuple[int, int, int]]:
+    """Every decode bucket (batch, span, 1 token per row), the largest first (the
+    others reuse its memory)."""
+    return sorted(((b, s, 1) for b in self.buckets for s in self.spans), reverse=True)
 
 
 @torch.inference_mode()
@@ -169,40 +178,39 @@ def _capture_all(self) -> str:
     return report
 
 
-GraphRunner.capture_order = _capture_order
-GraphRunner.capture_all = _capture_all
+GraphForward.capture_order = _capture_order
+GraphForward.capture_all = _capture_all
 
 # %% ../../chapters/07_performance.ipynb #c45-graphs
 @torch.inference_mode()
-def _run(self, batch) -> list:
-    """One engine step: decode through its bucket's graph, the rest eagerly."""
-    seqs = batch.seqs
-    key = (None if batch.is_prefill
-           else self.key(len(seqs), max(s.num_tokens for s in seqs)))
-    if key is None:                            # prefill, too many rows, too long
-        return ModelRunner.run(self, batch)
-    new_ids, new_meta = self.prepare_decode(seqs)
+def _call(self, input_ids: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+    """A step of equal rows through its bucket's graph; anything else eagerly."""
+    B, width = input_ids.shape
+    key = (None if meta.query_start_loc is not None  # a packed step (a prefill)
+           else self.key(B, meta.max_context, width))
+    if key is None:                            # packed, too many rows, too long
+        return Forward.__call__(self, input_ids, meta)
     self.used[key] += 1
-    if self.capture:                           # recorded up front (capture_all)
-        ids, meta, logits = self.static[key]
-        self._fill(ids, meta, new_ids, new_meta)
+    if key not in self.static:                 # a bucket first seen now: recorded
+        if self.capture:                       # now (chapter 10's verify rows)
+            _capture_or_explain(self, key)
+        else:
+            self.static[key] = (*self._buffers(key), None)
+    ids, static_meta, logits = self.static[key]
+    self._fill(ids, static_meta, input_ids, meta)
+    if self.capture:                           # recorded: replay
         self.graphs[key].replay()
         self.replays += 1
     else:                                      # the same buffers, not recorded
-        if key not in self.static:
-            self.static[key] = (*self._buffers(key), None)
-        ids, meta, _ = self.static[key]
-        self._fill(ids, meta, new_ids, new_meta)
-        logits = self.forward_step(key, ids, meta)  # eagerly (appendix: compiled)
-    self.last_tokens = len(seqs)
-    return self.finish_step(batch, logits[:len(seqs), -1])  # sample, commit
+        logits = self.forward_step(key, ids, static_meta)  # (appendix: compiled)
+    return logits[:B]                          # the padding rows' logits dropped
 
 
-def _forward_step(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
+def _forward_step(self, key: tuple[int, int, int], ids, meta) -> torch.Tensor:
     return _forward(self, ids, meta)
 
 
-GraphRunner.run, GraphRunner.forward_step = _run, _forward_step
+GraphForward.__call__, GraphForward.forward_step = _call, _forward_step
 
 # %% ../../chapters/07_performance.ipynb #c46-graphs-h
 def graph_blockers(model) -> str | None:
@@ -220,18 +228,8 @@ def graph_blockers(model) -> str | None:
     return None
 
 
-def _take_over(runner, old):
-    """`runner` replaces `old` in an engine: the requests added already keep their
-    random generators, and the logits processors stay."""
-    runner.generators, runner.default_generator = old.generators, old.default_generator
-    runner.logits_processors = old.logits_processors
-    return runner
-
-
 def _buckets_and_spans(engine, buckets, spans, max_graphs: int) -> tuple[list, list]:
-    """enable_cuda_graphs' checks, and its default buckets and spans."""
-    if isinstance(engine.runner, GraphRunner):
-        raise ValueError("this engine decodes through CUDA graphs already")
+    """The buckets and spans of an engine's graph forward: checked, or chosen."""
     check_int("max_graphs", max_graphs)
     if buckets is None:
         buckets = default_buckets(engine.scheduler.max_num_seqs)
@@ -247,38 +245,61 @@ def _buckets_and_spans(engine, buckets, spans, max_graphs: int) -> tuple[list, l
                          f"max_graphs={max_graphs}: give fewer buckets or spans")
     return buckets, spans
 
+
+def check_graph_settings(name: str, value, allowed: tuple[str, ...]) -> dict | None:
+    """An option of whole forwards: True (the defaults), a dict of some of
+    `allowed` settings, or None/False (off). Returns True, the settings, or None."""
+    if value is None or value is False or value is True:
+        return value or None
+    if not isinstance(value, dict) or set(value) - set(allowed):
+        raise ValueError(f"{name}={value!r}: give True, or a dict with some of "
+                         f"{list(allowed)}")
+    try:
+        _check_buckets(**{k: value[k] for k in ("buckets", "spans") if k in value})
+        if "max_graphs" in value:
+            check_int("max_graphs", value["max_graphs"])
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    if not isinstance(value.get("capture", False), bool):
+        raise ValueError(f"{name} capture={value['capture']!r}: must be True or False")
+    return dict(value)
+
 # %% ../../chapters/07_performance.ipynb #c46-graphs
-def enable_cuda_graphs(engine, buckets: list[int] | None = None,
-                       spans: list[int] | None = None,
-                       capture: bool | None = None,
-                       max_graphs: int = 64) -> GraphRunner:
-    """Make `engine` decode through CUDA graphs, all recorded now (on a CUDA device;
-    elsewhere through the same static buffers, eagerly). Batch buckets default to
-    1, 2, 4, ... max_num_seqs; spans to 16 (a block), 32, ... max_model_len, or
-    16, 64, 256, ... to stay within max_graphs."""
+def graph_forward(engine, buckets: list[int] | None = None,
+                  spans: list[int] | None = None, capture: bool | None = None,
+                  max_graphs: int = 64) -> GraphForward:
+    """The engine's forward through CUDA graphs, each decode bucket recorded now (on
+    a CUDA device; elsewhere the same static buffers run eagerly). Batch buckets
+    default to 1, 2, 4, ... max_num_seqs; spans to 16 (a block), 32, ...
+    max_model_len, or 16, 64, 256, ... to stay within max_graphs."""
     buckets, spans = _buckets_and_spans(engine, buckets, spans, max_graphs)
-    old = engine.runner
-    runner = _take_over(GraphRunner(old.model, old.kv, buckets, spans, capture), old)
-    if runner.capture:
-        blocker = graph_blockers(runner.model)
+    forward = GraphForward(engine.model, engine.kv, buckets, spans, capture)
+    if forward.capture:
+        blocker = graph_blockers(engine.model)
         if blocker:
             raise ValueError(blocker)
-        runner.capture_all()
-    engine.runner = runner
-    return runner
+        forward.capture_all()
+    return forward
 
 # %% ../../chapters/07_performance.ipynb #c46c-graphs
-def cuda_graphs_option(on: bool | None) -> bool | None:
-    """LLMEngine(..., cuda_graphs=True), checked before the engine is built; after,
-    its decode steps go through CUDA graphs (vLLM records them unless
-    enforce_eager=True). None or False: off."""
-    if on is not None and not isinstance(on, bool):  # None: left out
-        raise ValueError(f"cuda_graphs={on!r}: must be True or False")
-    return on or None
+GRAPH_SETTINGS = ("buckets", "spans", "capture", "max_graphs")
+
+
+def settings_of(value) -> dict:
+    """An option's settings: {} for True."""
+    return value if isinstance(value, dict) else {}
+
+
+def cuda_graphs_option(value) -> dict | None:
+    """LLMEngine(..., cuda_graphs=True), or a dict of graph_forward's settings
+    ({"buckets": [1, 4]}), checked before the engine is built; the engine's forward
+    is then a GraphForward (vLLM records graphs unless enforce_eager=True)."""
+    return check_graph_settings("cuda_graphs", value, GRAPH_SETTINGS)
 
 
 register_engine_option("cuda_graphs", cuda_graphs_option, order=10,
-                       apply=lambda engine, on: enable_cuda_graphs(engine),
+                       apply=lambda engine, on: graph_forward(
+                           engine, **settings_of(on)),
                        excludes=("compile_decode",), part="forward")
 
 # %% ../../chapters/07_performance.ipynb #c76-compile

@@ -50,8 +50,27 @@ def check_model_and_tokenizer(model, tokenizer) -> None:
         raise ValueError(f"tokenizer={tokenizer!r:.60} lacks encode() or decode(); "
                          "give a minillm Tokenizer, a transformers one, or None")
 
+def runner_parts(engine, cfg: EngineConfig) -> dict:
+    """The later chapters' options that are on, applied in their order: an option
+    on the model changes it in place (fuse, make batch-invariant, shard: chapters
+    7a, 12, 13); the others return their part of the runner: the forward (chapter
+    7), the speculator (chapter 10) or a logits processor (chapter 11), or None for
+    a setting that another option reads."""
+    parts = {"forward": None, "speculator": None, "logits_processors": []}
+    for name, option, value in cfg.ordered_options():
+        part = option.apply(engine, value)
+        if option.part == "model" or part is None:
+            continue
+        if option.part == "processors":
+            parts["logits_processors"].append(part)
+        elif parts[option.part] is not None:  # the config's excludes prevent it
+            raise ValueError(f"{name}: the runner has a {option.part} already")
+        else:
+            parts[option.part] = part
+    return parts
+
 # %% auto #0
-__all__ = ['REQUEST_CHECKS', 'REQUEST_EXTRAS', 'check_extras', 'check_model_and_tokenizer', 'LLMEngine']
+__all__ = ['REQUEST_CHECKS', 'REQUEST_EXTRAS', 'check_extras', 'check_model_and_tokenizer', 'runner_parts', 'LLMEngine']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43-engine
 class LLMEngine:
@@ -73,14 +92,13 @@ class LLMEngine:
         self.max_model_len = cfg.max_model_len
         self.kv = make_kv(cfg, model)                 # where K/V live (section 4)
         self.scheduler = make_scheduler(cfg, self.kv)  # who runs (section 5)
-        self.runner = ModelRunner(model, self.kv)      # one forward (section 6)
+        self.runner = ModelRunner(model, self.kv,      # one forward (section 6),
+                                  **runner_parts(self, cfg))  # later chapters' parts
         self.requests: dict[str, Sequence] = {}  # every answer not yet collected
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its n answers
         self.group_of: dict[str, str] = {}  # an answer's own id -> its request id
         self.history: list[StepRecord] = []
         self._ids = itertools.count()
-        for name, option, value in cfg.ordered_options():  # later chapters', in
-            option.apply(self, value)  # their order: chapter 7's, then 10's, ...
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43b-engine
 def _add_request(self, prompt, params: SamplingParams | None = None,
@@ -176,7 +194,7 @@ def _answer(self, seq: Sequence, i: int) -> Sequence:
     child = Sequence.create(self.model, seq.prompt_ids, params, self.tokenizer,
                             child_id, seq.arrival_time)
     child.index, child.prompt_logprobs = i, seq.prompt_logprobs
-    child.extras = seq.extras  # the same cache salt, ...
+    child.extras = dict(seq.extras)  # the same cache salt, ...
     return child
 
 

@@ -10,21 +10,39 @@ from ..sampling import _pick, _scale, make_generator, sample
 from ..sequence import Logprob, Sequence, block_early_stop
 
 # %% auto #0
-__all__ = ['ModelRunner', 'token_logprobs', 'prompt_logprobs', 'SeenIds']
+__all__ = ['Forward', 'ModelRunner', 'token_logprobs', 'prompt_logprobs', 'SeenIds']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31-runner
-class ModelRunner:
-    """Turns a scheduled batch into one forward: prepare the step's tensors (input
-    ids and a StepMeta), run the model, commit the step's K/V, sample one token for
-    every request whose prompt is complete."""
+class Forward:
+    """How a step's tensors go through the model: here as they are, eagerly.
+    Chapter 7's forwards record or compile the steps whose shapes repeat."""
+    fixed_shapes = False  # True: rows of equal length run fastest (chapter 7's)
 
     def __init__(self, model, kv):
         self.model, self.kv = model, kv
+        self.eager_steps = 0  # forwards run as they are
+
+    def __call__(self, input_ids: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        self.eager_steps += 1
+        return self.model(input_ids, meta.positions, kv=self.kv, meta=meta)
+
+
+class ModelRunner:
+    """Turns a scheduled batch into one forward, from three parts: `forward` (how the
+    model runs), `speculator` (None, or chapter 10's: its step drafts tokens and
+    verifies them in the same forward) and `logits_processors` ((logits, seqs) ->
+    logits, before sampling)."""
+
+    def __init__(self, model, kv, forward=None, speculator=None,
+                 logits_processors=()):
+        self.model, self.kv = model, kv
+        self.forward = forward or Forward(model, kv)
+        self.speculator = speculator
+        self.logits_processors = [block_early_stop, *logits_processors]
         self.device = model.embed_tokens.weight.device
         self.generators: dict[str, torch.Generator | None] = {}
         self.seen: dict[str, SeenIds] = {}  # for penalties: ids on the device
         self.default_generator = None  # unseeded requests: torch's global one
-        self.logits_processors = [block_early_stop]  # (logits, seqs) -> logits
 
     def add(self, seq: Sequence) -> None:
         """Each request draws from its own generator: its seed, its tokens."""
@@ -35,6 +53,8 @@ class ModelRunner:
     def remove(self, seq: Sequence) -> None:
         self.generators.pop(seq.request_id, None)
         self.seen.pop(seq.request_id, None)
+        if self.speculator is not None:  # its drafts' state, too
+            self.speculator.remove(seq)
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31d-runner
 def _prepare_packed(self, seqs: list[Sequence], num_new: list[int]):
@@ -109,13 +129,19 @@ ModelRunner._tensor, ModelRunner._meta = _tensor, _meta
 def _run(self, batch) -> list:
     """One forward for the whole batch. Returns, per request, its new token id, or
     None for a request still in the middle of its prompt (nothing to sample)."""
-    seqs, num_new = batch.seqs, batch.num_new
+    if self.speculator is not None:  # chapter 10: drafts, verified in one forward
+        return self.speculator.step(self, batch)
+    return self.plain_step(batch)
+
+
+def _plain_step(self, batch) -> list:
+    """Prepare, forward, finish: one new token per request that is due one."""
     if batch.is_prefill:
-        input_ids, meta = self.prepare_packed(seqs, num_new)
+        input_ids, meta = self.prepare_packed(batch.seqs, batch.num_new)
     else:
-        input_ids, meta = self.prepare_decode(seqs)
+        input_ids, meta = self.prepare_decode(batch.seqs)
     self.last_tokens = input_ids.numel()  # what the forward computes
-    logits = self.model(input_ids, meta.positions, kv=self.kv, meta=meta)[:, -1]
+    logits = self.forward(input_ids, meta)[:, -1]
     return self.finish_step(batch, logits)
 
 
@@ -137,7 +163,8 @@ def _finish_step(self, batch, logits: torch.Tensor) -> list:
     return out
 
 
-ModelRunner.run, ModelRunner.finish_step = _run, _finish_step
+ModelRunner.run, ModelRunner.plain_step = _run, _plain_step
+ModelRunner.finish_step = _finish_step
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31h-logprobs
 def _draw(self, logits: torch.Tensor, params: list, generators, history,

@@ -8,7 +8,7 @@ import torch
 
 from ..engine.config import register_engine_option
 from .proposers import DraftModelProposer, NgramProposer
-from .runner import SpeculativeRunner
+from .runner import Speculator
 
 # %% auto #0
 __all__ = ['SPEC_METHODS', 'SPEC_KEYS', 'speculative_option', 'apply_speculation', 'check_speculative_config', 'make_proposer']
@@ -20,18 +20,16 @@ def speculative_option(config) -> dict | None:
     return None if config is None else check_speculative_config(config)
 
 
-def apply_speculation(engine, c: dict) -> None:
-    """Wrap the engine's runner, whichever it is (chapter 7's come first, by their
-    order): its steps now hand each request a list of tokens."""
-    engine.runner = SpeculativeRunner(engine.runner, make_proposer(c, engine),
-                                      c["num_speculative_tokens"],
-                                      engine.scheduler.max_num_batched_tokens)
-    engine.speculative_config = c
+def apply_speculation(engine, c: dict) -> Speculator:
+    """The runner's speculator: its steps hand each request a list of tokens,
+    verified through the runner's forward (whichever chapter 7 chose)."""
+    return Speculator(make_proposer(c, engine), c["num_speculative_tokens"],
+                      engine.scheduler.max_num_batched_tokens)
 
 
 register_engine_option("speculative_config", speculative_option,
                        apply_speculation, order=90, needs={"policy": "continuous"},
-                       part="proposer")
+                       part="speculator")
 
 # %% ../../chapters/10_speculative.ipynb #c75-config
 SPEC_METHODS = ("ngram", "draft_model")

@@ -39,44 +39,34 @@ class SpecDecodingStats:
                 if self.num_draft_tokens else None)
 
 # %% auto #0
-__all__ = ['SpecDecodingStats', 'SpeculativeRunner']
+__all__ = ['SpecDecodingStats', 'Speculator', 'verify_rows']
 
 # %% ../../chapters/10_speculative.ipynb #c62-runner
-class SpeculativeRunner:
-    """Wraps the engine's runner (chapter 4's, or chapter 7's): a step in which some
-    requests have drafts is one packed forward over their tokens and drafts; every
-    other step is the wrapped runner's own."""
+class Speculator:
+    """The runner's speculator (chapter 4's ModelRunner hands it each step): a step
+    in which some requests have drafts is one forward over their tokens and drafts,
+    through the runner's own forward; every other step is the runner's plain step."""
 
-    OWN = ("base", "proposer", "k", "budget", "stats")
-
-    def __init__(self, base, proposer, num_speculative_tokens: int, budget: int):
-        self.base, self.proposer = base, proposer
+    def __init__(self, proposer, num_speculative_tokens: int, budget: int):
+        self.proposer = proposer  # who drafts: NgramProposer or DraftModelProposer
         self.k, self.budget = num_speculative_tokens, budget
         self.stats = SpecDecodingStats()
 
-    def run(self, batch) -> list:
-        drafts, q = self.propose(batch)
+    def step(self, runner, batch) -> list:
+        drafts, q = self.propose(runner, batch)
         if not any(drafts):
-            return self.base.run(batch)
+            return runner.plain_step(batch)
         try:
-            return self.verify(batch, drafts, q)
+            return self.verify(runner, batch, drafts, q)
         except BaseException:  # the engine undoes the step: no draft keeps memory
-            self.give_back(batch, drafts)
+            self.give_back(runner, batch, drafts)
             raise
 
     def remove(self, seq: Sequence) -> None:  # a request ended
-        self.base.remove(seq)
         self.proposer.remove(seq)
 
-    def __getattr__(self, name):  # add, generators, last_tokens, ... the base's
-        return getattr(self.base, name)
-
-    def __setattr__(self, name, value):  # LLM(seed=...) sets default_generator
-        target = self if name in self.OWN else self.base
-        object.__setattr__(target, name, value)
-
 # %% ../../chapters/10_speculative.ipynb #c63-propose
-def _propose(self, batch) -> tuple[list, list]:
+def _propose(self, runner, batch) -> tuple[list, list]:
     """Drafts for each request that is decoding: up to k, within its max_tokens,
     the step's token budget and the KV memory free now."""
     room, left = [], self.budget - batch.num_tokens
@@ -86,10 +76,10 @@ def _propose(self, batch) -> tuple[list, list]:
         r = min(self.k, s.params.max_tokens - len(s.output_ids) - 1, left)
         room.append(max(r, 0) if decoding else 0)
         left -= room[-1]
-    generators = [self.base.generators.get(s.request_id) for s in batch.seqs]
+    generators = [runner.generators.get(s.request_id) for s in batch.seqs]
     drafts, q = self.proposer.propose(batch.seqs, room, generators)
     for i, s in enumerate(batch.seqs):  # memory for the drafts, as far as it goes
-        fits = self.base.kv.reserve(s, len(drafts[i])) if drafts[i] else 0
+        fits = runner.kv.reserve(s, len(drafts[i])) if drafts[i] else 0
         if fits < len(drafts[i]):  # the draft model computed drafts we drop
             self.proposer.rollback(s, s.num_tokens + fits)
         drafts[i] = drafts[i][:fits]
@@ -97,65 +87,99 @@ def _propose(self, batch) -> tuple[list, list]:
     return drafts, q
 
 
-SpeculativeRunner.propose = _propose
+Speculator.propose = _propose
 
 # %% ../../chapters/10_speculative.ipynb #c65-verify
 @torch.inference_mode()
-def _verify(self, batch, drafts: list, q: list) -> list:
-    """One forward over every request's new tokens and drafts. A request with drafts
-    gets a list of ids (its accepted drafts and one more); the others what the
-    wrapped runner's sample gives."""
-    base, seqs = self.base, batch.seqs
-    num_new = [n + len(d) for n, d in zip(batch.num_new, drafts)]
-    ids, meta = base.prepare_packed([Drafted(s, d) for s, d in zip(seqs, drafts)],
-                                    num_new)
-    ends = meta.cache["host"][0][1:]  # where each request's tokens end in the row
-    rows = [range(e - 1 - len(d), e) for e, d in zip(ends, drafts)]
-    meta.logits_index = base._tensor([i for r in rows for i in r])
-    base.last_tokens = ids.numel()
-    logits = base.model(ids, meta.positions, kv=base.kv, meta=meta)[:, -1]
-    first = list(itertools.accumulate(map(len, rows[:-1]), initial=0))
+def _verify(self, runner, batch, drafts: list, q: list) -> list:
+    """One forward over every request's new tokens and drafts, through the runner's
+    forward. A request with drafts gets a list of ids (its accepted drafts and one
+    more); the others what the runner's sample gives."""
+    seqs = batch.seqs
+    ids, meta, first = self.verify_inputs(runner, batch, drafts)
+    runner.last_tokens = batch.num_tokens + sum(map(len, drafts))
+    logits = runner.forward(ids, meta)           # eager, graphs or compiled
+    logits = logits.flatten(0, 1)                # one row per token that has logits
     out = [None] * len(seqs)
     plain = [i for i, (s, n) in enumerate(zip(seqs, batch.num_new)) if not drafts[i]
              and not s.is_finished and s.num_computed_tokens + n == s.num_tokens]
     if plain:  # no drafts: sampled as in chapter 4 (logprobs, errors, ...)
-        tokens = base.sample([seqs[i] for i in plain],
-                             logits[[first[i] for i in plain]])
+        tokens = runner.sample([seqs[i] for i in plain],
+                               logits[[first[i] for i in plain]])
         for i, token in zip(plain, tokens):
             out[i] = token
     for i, s in enumerate(seqs):
         if drafts[i]:
-            out[i] = self.accept(s, drafts[i], q[i],
-                                 logits[first[i]:first[i] + len(rows[i])])
-    self.settle(batch, drafts, out)
+            rows = logits[first[i]:first[i] + len(drafts[i]) + 1]
+            out[i] = self.accept(runner, s, drafts[i], q[i], rows)
+    self.settle(runner, batch, drafts, out)
     return out
 
 
-SpeculativeRunner.verify = _verify
+Speculator.verify = _verify
+
+# %% ../../chapters/10_speculative.ipynb #c65h-verify-inputs
+def _verify_inputs(self, runner, batch, drafts: list) -> tuple:
+    """The verify step's tensors, and where each request's rows of logits start in
+    the forward's logits, flattened. A step of decoding requests only, on a forward
+    with fixed shapes (chapter 7's buckets), is rows of k + 1 tokens: the step
+    decode takes, k tokens wider. Otherwise chapter 4's packed row, with logits at
+    every drafted position and at each other request's last one."""
+    views = [Drafted(s, d) for s, d in zip(batch.seqs, drafts)]
+    if runner.forward.fixed_shapes and not batch.is_prefill:
+        ids, meta = verify_rows(runner, views, self.k + 1)
+        return ids, meta, [i * (self.k + 1) for i in range(len(views))]
+    num_new = [n + len(d) for n, d in zip(batch.num_new, drafts)]
+    ids, meta = runner.prepare_packed(views, num_new)
+    ends = meta.cache["host"][0][1:]  # where each request's tokens end in the row
+    rows = [range(e - 1 - len(d), e) for e, d in zip(ends, drafts)]
+    meta.logits_index = runner._tensor([i for r in rows for i in r])
+    return ids, meta, list(itertools.accumulate(map(len, rows[:-1]), initial=0))
+
+
+def verify_rows(runner, views: list, width: int) -> tuple:
+    """[B, width]: each request's newest token and its drafts in a row of its own,
+    padded at the end: the padding's K/V go to the spare slot, its logits are not
+    read. Every token's logits come out (logits_index None)."""
+    ids, positions, slots, lengths = [], [], [], []
+    for v in views:
+        start, end = v.seq.num_tokens - 1, v.num_tokens  # the newest .. last draft
+        pad = width - (end - start)
+        newest = (v.seq.output_ids or v.seq.prompt_ids)[-1]
+        ids.append([newest, *v.draft] + [0] * pad)
+        positions.append(list(range(start, end)) + [end - 1] * pad)
+        slots.append(runner.kv.slots(v, start, end) + [runner.kv.pad_slot] * pad)
+        lengths.append(end)
+    meta = runner._meta(views, positions, slots, lengths, [0] * len(views))
+    meta.logits_index = None
+    return runner._tensor(ids), meta
+
+
+Speculator.verify_inputs = _verify_inputs
 
 # %% ../../chapters/10_speculative.ipynb #c67-accept
-def _accept(self, seq: Sequence, draft: list[int], q, logits: torch.Tensor):
+def _accept(self, runner, seq: Sequence, draft: list[int], q,
+            logits: torch.Tensor):
     """The rejection sampler over one request's k + 1 rows of logits."""
     views = [Drafted(seq, draft[:j]) for j in range(len(draft) + 1)]
-    for process in self.base.logits_processors:  # min_tokens, ... on each view
+    for process in runner.logits_processors:  # min_tokens, ... on each view
         logits = process(logits, views)
     if not bool(torch.isfinite(logits.amax(-1)).all()):
         return NonFiniteLogitsError(f"request {seq.request_id!r}: the model gave "
                                     "NaN or inf logits")
-    history, outputs = self.base._seen_ids(views)  # penalties: drafts count
+    history, outputs = runner._seen_ids(views)  # penalties: drafts count
     p = sampling_probs(logits, [seq.params] * len(views), history, outputs)
-    return rejection_sample(p, q, draft, self.base.generators.get(seq.request_id))
+    return rejection_sample(p, q, draft, runner.generators.get(seq.request_id))
 
 
-
-SpeculativeRunner.accept = _accept
+Speculator.accept = _accept
 
 # %% ../../chapters/10_speculative.ipynb #c67-settle
-def _settle(self, batch, drafts: list, out: list) -> None:
+def _settle(self, runner, batch, drafts: list, out: list) -> None:
     """Count what each request computed that stays (its new tokens and accepted
     drafts), give back the memory of rejected drafts, commit: only verified K/V
     is ever shared."""
-    kv = self.base.kv
+    kv = runner.kv
     for s, n, d, o in zip(batch.seqs, batch.num_new, drafts, out):
         if s.is_finished:
             continue
@@ -168,12 +192,12 @@ def _settle(self, batch, drafts: list, out: list) -> None:
     kv.commit(batch.seqs)
 
 
-def _give_back(self, batch, drafts: list) -> None:
+def _give_back(self, runner, batch, drafts: list) -> None:
     """A step that failed: its drafts' blocks go back, the draft model forgets them."""
     for s, d in zip(batch.seqs, drafts):
         if d and not s.is_finished:
-            self.base.kv.trim(s, [])
+            runner.kv.trim(s, [])
             self.proposer.rollback(s, s.num_tokens)
 
 
-SpeculativeRunner.settle, SpeculativeRunner.give_back = _settle, _give_back
+Speculator.settle, Speculator.give_back = _settle, _give_back

@@ -39,7 +39,7 @@ class SpecDecodeCollector:
         self.model_name, self.engine = model_name, engine
 
     def collect(self):
-        s, name = self.engine.runner.stats, self.model_name
+        s, name = self.engine.runner.speculator.stats, self.model_name
         per_pos = CounterMetricFamily(
             "minillm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
             "accepted, by position in the draft.", labels=["model_name", "position"])
@@ -56,7 +56,7 @@ class SpecDecodeCollector:
 
 def spec_decode_metrics(registry, model_name: str, engine) -> None:
     """For METRIC_COLLECTORS: the counters, when the served engine speculates."""
-    if getattr(engine, "speculative_config", None) is not None:
+    if engine is not None and engine.runner.speculator is not None:
         registry.register(SpecDecodeCollector(model_name, engine))
 
 

@@ -18,8 +18,8 @@ from .backends import BACKENDS, token_vocab, xgrammar_available
 MAX_GRAMMAR_CACHE_BYTES = 256 * 2**20  # compiled grammars kept (one schema: ~94 MB)
 
 # %% auto #0
-__all__ = ['MAX_GRAMMAR_CACHE_BYTES', 'apply_bitmask', 'GrammarState', 'StructuredOutputManager', 'compile_constraint',
-           'structured_outputs_option', 'add_manager', 'check_structured_outputs_config']
+__all__ = ['MAX_GRAMMAR_CACHE_BYTES', 'apply_bitmask', 'GrammarState', 'StructuredOutputManager', 'structured_output_manager',
+           'compile_constraint', 'structured_outputs_option', 'add_manager', 'check_structured_outputs_config']
 
 # %% ../../chapters/11_structured_output.ipynb #s72-apply
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -93,10 +93,10 @@ class StructuredOutputManager:
 def _fill(self, row, bitmask: torch.Tensor, i: int) -> None:
     """Row i: the mask after the answer's tokens (and drafts, if any)."""
     seq = getattr(row, "seq", row)  # chapter 10's Drafted view: its request
-    if getattr(seq, "grammar", None) is None:
+    g = seq.extras.get("grammar")  # the request's matcher, made on its first step
+    if g is None:
         so = seq.params.structured_outputs
-        seq.grammar = GrammarState(self.backend.matcher(self.compile(so)))
-    g = seq.grammar
+        g = seq.extras["grammar"] = GrammarState(self.backend.matcher(self.compile(so)))
     for token in seq.output_ids[g.taken:]:  # taken by the engine since: for good
         if not g.matcher.accept_token(token):
             raise RuntimeError(f"request {seq.request_id!r}: token {token} "
@@ -114,12 +114,20 @@ def _fill(self, row, bitmask: torch.Tensor, i: int) -> None:
 StructuredOutputManager.fill = _fill
 
 # %% ../../chapters/11_structured_output.ipynb #s74-option
+def structured_output_manager(engine):
+    """The engine's StructuredOutputManager: the logits processor of its runner
+    that compiles grammars and fills masks (None: the engine has none)."""
+    return next((p for p in engine.runner.logits_processors
+                 if callable(getattr(p, "compile", None))
+                 and callable(getattr(p, "fill", None))), None)
+
+
 def compile_constraint(engine, seq) -> None:
     """A request's constraint compiled (or refused) before it is queued: one of
     chapter 4's REQUEST_CHECKS."""
     so = getattr(seq.params, "structured_outputs", None)
     if so is not None:
-        engine.structured_output_manager.compile(so)
+        structured_output_manager(engine).compile(so)
 
 
 def structured_outputs_option(config) -> str:
@@ -129,15 +137,13 @@ def structured_outputs_option(config) -> str:
     return check_structured_outputs_config(config)
 
 
-def add_manager(engine, backend: str) -> None:
-    manager = StructuredOutputManager(engine, backend)
-    engine.structured_output_manager = manager
-    engine.runner.logits_processors.append(manager)
+def add_manager(engine, backend: str) -> StructuredOutputManager:
+    """The runner's logits processor that masks each constrained row."""
+    return StructuredOutputManager(engine, backend)
 
 
 register_engine_option("structured_outputs_config", structured_outputs_option,
-                       add_manager, order=95,  # after chapter 10's runner
-                       part="processors")
+                       add_manager, order=95, part="processors")
 REQUEST_CHECKS["structured_outputs"] = compile_constraint
 
 # %% ../../chapters/11_structured_output.ipynb #s74b-backend

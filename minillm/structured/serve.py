@@ -13,6 +13,7 @@ from ..serve.app import CHAT_REPLIES, ChatReply, check_text
 from ..serve.async_engine import REQUEST_PREPARERS
 from ..serve.protocol import REQUEST_FIELDS, APIError
 from ..sources import announce
+from .engine import structured_output_manager
 from .params import StructuredOutputsParams
 from .tools import (TOOL_TEMPLATE, ToolCallReader, check_tools,
                                       chosen, read_calls, tool_tag)
@@ -72,7 +73,7 @@ async def compile_grammar(engine, params) -> None:
     thread reads: the request waits, the others run (vLLM's way). One compile runs
     at a time; one that outlasts COMPILE_TIMEOUT is a 400 (it finishes unseen)."""
     so = getattr(params, "structured_outputs", None)
-    manager = getattr(engine, "structured_output_manager", None)
+    manager = structured_output_manager(engine)
     if so is None or manager is None:
         return
     work = asyncio.get_running_loop().run_in_executor(COMPILER, manager.compile, so)
