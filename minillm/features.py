@@ -27,9 +27,6 @@ REGISTRIES: dict[str, dict[str, str] | tuple[str, ...]] = {
         ("int8", "w8a16", "w8a8", "int4"), "minillm.quant"), **_QUANT_7A},
     "minillm.loader.DTYPE_RULES": {"cpu": "minillm.dtype_auto"},          # chapter 7
     "minillm.quant.MODES": _QUANT_7A,
-    "minillm.quant.GROUPED_MODES": _QUANT_7A,
-    "minillm.quant.TARGET_CHECKS": _QUANT_7A,
-    "minillm.quant.ON_LOAD": _QUANT_7A,
     "minillm.kv.base.KV_BACKENDS": {"slots": "minillm.kv.slots",          # chapter 4
                                     "paged": "minillm.kv.paged"},         # chapter 6
     "minillm.kv.base.DEFAULT_KV_CACHE": {"continuous": "minillm.kv.paged"},  # 6

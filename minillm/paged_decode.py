@@ -10,11 +10,10 @@ import functools
 import torch
 
 from .engine.compiled import DECODE_ATTENTION
-from .kernels.build import build_cpu_kernel
+from .kernels.build import build_cpu_kernel, cpp_files, define_op
 
 # %% auto #0
-__all__ = ['PAGED_DECODE_CHUNK', 'PAGED_DECODE_ROWS', 'PAGED_DECODE_OP', 'HEAD_DIMS', 'attend_pages', 'kernel', 'paged_decode',
-           'PagesInPlace']
+__all__ = ['HEAD_DIMS', 'attend_pages', 'kernel', 'paged_decode', 'PagesInPlace']
 
 # %% ../chapters/07a_cpu_speed.ipynb #c99g-pages
 def attend_pages(q, k_pool, v_pool, table: list[int], length: int,
@@ -40,130 +39,17 @@ def attend_pages(q, k_pool, v_pool, table: list[int], length: int,
         m = m_new
     return (acc / l[..., None]).view(H, d).to(q.dtype)
 
-# %% ../chapters/07a_cpu_speed.ipynb #c99i-pages-cpp
-PAGED_DECODE_CHUNK = r"""
-constexpr int64_t CHUNK = 128;  // positions per piece of work
-
-// One (row, K/V head, chunk of positions): for each of its G query heads the max m, the
-// sum l and the weighted sum acc[D] of the chunk's positions, read through the table.
-template <typename T, int D>
-void chunk(const float* qf, const T* k, const T* v, const int64_t* table, int64_t KVH,
-           int64_t h, int64_t bs, int64_t t0, int64_t t1, int64_t G, float* s,
-           float* m, float* l, float* acc) {
-  float row[D];
-  for (int64_t t = t0; t < t1; ++t) {  // scores: each K row read once, used G times
-    const T* kr = k + ((table[t / bs] * bs + t % bs) * KVH + h) * D;
-    for (int e = 0; e < D; ++e) row[e] = float(kr[e]);
-    for (int64_t g = 0; g < G; ++g) {
-      float dot = 0.f;
-      for (int e = 0; e < D; ++e) dot += qf[g * D + e] * row[e];
-      s[g * CHUNK + t - t0] = dot;
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {  // m, weights p = exp(s - m), l: 16 at a time
-    float* sg = s + g * CHUNK;
-    float mg = -INFINITY, lg = 0.f;
-    for (int64_t t = 0; t < t1 - t0; ++t) mg = std::max(mg, sg[t]);
-    for (int64_t t = 0; t < t1 - t0; ++t) lg += sg[t] = std::exp(sg[t] - mg);
-    m[g] = mg, l[g] = lg;
-  }
-  for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
-  for (int64_t t = t0; t < t1; ++t) {  // values: each V row read once
-    const T* vr = v + ((table[t / bs] * bs + t % bs) * KVH + h) * D;
-    for (int e = 0; e < D; ++e) row[e] = float(vr[e]);
-    for (int64_t g = 0; g < G; ++g)
-      for (int e = 0; e < D; ++e) acc[g * D + e] += s[g * CHUNK + t - t0] * row[e];
-  }
-}
-"""
-
-# %% ../chapters/07a_cpu_speed.ipynb #c99j-pages-cpp
-PAGED_DECODE_ROWS = r"""
-template <typename T, int D>
-void decode(const T* q, const T* k, const T* v, const int64_t* table,
-            const int64_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
-            int64_t W, int64_t bs, float scale) {
-  const int64_t G = H / KVH, P = G * (D + 2);  // a piece's floats: m, l, acc
-  int64_t C = 1;  // chunks per row: enough for the longest
-  for (int64_t b = 0; b < B; ++b) C = std::max(C, (lens[b] + CHUNK - 1) / CHUNK);
-  std::unique_ptr<float[]> part(new float[B * KVH * C * P]);
-  at::parallel_for(0, B * KVH * C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), s(G * CHUNK);
-    for (int64_t i = begin; i < end; ++i) {  // piece i: row b, K/V head h, chunk c
-      const int64_t b = i / (KVH * C), h = i / C % KVH, c = i % C;
-      const int64_t t0 = c * CHUNK, t1 = std::min(lens[b], t0 + CHUNK);
-      float* p = part.get() + i * P;
-      if (t0 >= t1) { for (int64_t g = 0; g < G; ++g) p[g] = -INFINITY; continue; }
-      for (int64_t j = 0; j < G * D; ++j)
-        qf[j] = float(q[(b * H + h * G) * D + j]) * scale;
-      chunk<T, D>(qf.data(), k, v, table + b * W, KVH, h, bs, t0, t1, G, s.data(),
-                  p, p + G, p + 2 * G);
-    }
-  });
-  for (int64_t bh = 0; bh < B * KVH; ++bh)  // each (row, head): its chunks combined
-    for (int64_t g = 0; g < G; ++g) {
-      float m = -INFINITY, l = 0.f, o[D] = {0};
-      for (int64_t c = 0; c < C; ++c) m = std::max(m, part[(bh * C + c) * P + g]);
-      for (int64_t c = 0; c < C; ++c) {
-        const float* p = part.get() + (bh * C + c) * P;
-        if (p[g] == -INFINITY) continue;  // a chunk past the row's end
-        const float w = std::exp(p[g] - m);  // restated against the row's max
-        l += w * p[G + g];
-        for (int e = 0; e < D; ++e) o[e] += w * p[2 * G + g * D + e];
-      }
-      const int64_t b = bh / KVH, h = bh % KVH;
-      for (int e = 0; e < D; ++e) out[(b * H + h * G + g) * D + e] = T(o[e] / l);
-    }
-}
-"""
-
 # %% ../chapters/07a_cpu_speed.ipynb #c99k-pages-build
-PAGED_DECODE_OP = r"""
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                           torch::Tensor table, torch::Tensor lens, int64_t bs) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() &&
-              k.is_contiguous() && v.is_contiguous() && q.size(2) == k.size(2) &&
-              q.size(1) % k.size(1) == 0 && q.scalar_type() == k.scalar_type() &&
-              v.scalar_type() == k.scalar_type(), "paged_decode: q [rows, heads, d] "
-              "and contiguous pools [slots, kv_heads, d] of q's dtype");
-  q = q.contiguous(); table = table.to(torch::kLong).contiguous();
-  lens = lens.to(torch::kLong).contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
-  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && lens.numel() == B,
-              "paged_decode: a table and a length per row");
-  const int64_t W = table.size(1), N = k.size(0);
-  auto t = table.data_ptr<int64_t>(); auto n = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {  // every read inside the pool, checked first
-    TORCH_CHECK(n[b] >= 1 && n[b] <= W * bs, "paged_decode: row ", b, " length ",
-                n[b], " outside 1..", W * bs);
-    for (int64_t j = 0; j < (n[b] + bs - 1) / bs; ++j)
-      TORCH_CHECK(t[b * W + j] >= 0 && (t[b * W + j] + 1) * bs <= N,
-                  "paged_decode: row ", b, " block ", t[b * W + j],
-                  " outside the pool");
-  }
-  auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "pd", [&] {
-    auto run = D == 32 ? decode<scalar_t, 32> : D == 64 ? decode<scalar_t, 64>
-             : D == 128 ? decode<scalar_t, 128> : nullptr;
-    TORCH_CHECK(run, "paged_decode: head_dim ", D, "; this kernel takes 32, 64, 128");
-    run(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), t, n,
-        out.data_ptr<scalar_t>(), B, H, KVH, W, bs, 1.f / std::sqrt(float(D)));
-  });
-  return out;
-}
-// minillm::paged_decode on CPU tensors: this function, called with no Python between
-TORCH_LIBRARY_IMPL(minillm, CPU, m) { m.impl("paged_decode", &paged_decode); }
-"""
 HEAD_DIMS = (32, 64, 128)  # the head sizes the kernel is built for
 
 
 @functools.cache
 def kernel():
-    """The C++ above, built once per machine; loading it makes it the CPU kernel of
-    the operator minillm::paged_decode."""
+    """minillm/csrc/paged_decode.cpp, built once per machine; loading it makes it
+    the CPU kernel of the operator minillm::paged_decode."""
     return build_cpu_kernel("minillm_paged_decode", "the paged decode kernel",
-                            ["paged_decode"], PAGED_DECODE_CHUNK + PAGED_DECODE_ROWS
-                            + PAGED_DECODE_OP, fast_math=True)
+                            ["paged_decode"], cpp_files("paged_decode.cpp"),
+                            fast_math=True)
 
 
 def _pages_in_pytorch(q, k_pool, v_pool, block_tables, lengths, block_size):
@@ -174,21 +60,9 @@ def _pages_in_pytorch(q, k_pool, v_pool, block_tables, lengths, block_size):
                         for b in range(q.shape[0])])
 
 
-def _define_op() -> None:
-    """minillm::paged_decode, a PyTorch operator that torch.compile calls as it is:
-    the kernel above on a CPU (once loaded), else attend_pages per row; the fake
-    gives the output's shape (q's)."""
-    torch.library.define("minillm::paged_decode", "(Tensor q, Tensor k_pool, Tensor "
-                         "v_pool, Tensor block_tables, Tensor lengths, int block_size)"
-                         " -> Tensor")
-    torch.library.impl("minillm::paged_decode", "CompositeExplicitAutograd",
-                       _pages_in_pytorch)
-    torch.library.register_fake("minillm::paged_decode",
-                                lambda q, *_: torch.empty_like(q))
-
-
-if not hasattr(torch.ops.minillm, "paged_decode"):  # once per process (a notebook
-    _define_op()                                    # may have imported this module)
+define_op("paged_decode", "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor "
+          "block_tables, Tensor lengths, int block_size) -> Tensor",
+          _pages_in_pytorch, lambda q, *_: torch.empty_like(q))  # the fake: q's shape
 
 
 def paged_decode(q, k_pool, v_pool, block_tables, lengths,

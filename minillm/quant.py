@@ -8,6 +8,7 @@ import logging
 import math
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,10 +19,10 @@ from .features import Registry
 from .loader import QUANTIZATIONS
 
 # %% auto #0
-__all__ = ['MODES', 'GROUPED_MODES', 'TARGET_CHECKS', 'ON_LOAD', 'INT4_GROUPS', 'absmax_quantize', 'dequantize', 'Int8Linear',
-           'int_mm_works', 'int8_matmul', 'exact_int8_matmul', 'Int8Int8Linear', 'fbgemm_missing', 'FbgemmLinear',
-           'quantize', 'is_quantized', 'import_bitsandbytes', 'bnb_missing', 'bnb_from_linear', 'quantize_targets',
-           'checked_ids', 'perplexity', 'int8_layers_on_meta', 'next_log_probs', 'against_float_of',
+__all__ = ['MODES', 'INT4_GROUPS', 'absmax_quantize', 'dequantize', 'Int8Linear', 'int_mm_works', 'int8_matmul',
+           'exact_int8_matmul', 'Int8Int8Linear', 'fbgemm_missing', 'FbgemmLinear', 'QuantMode', 'quantize',
+           'is_quantized', 'import_bitsandbytes', 'bnb_missing', 'bnb_from_linear', 'quantize_targets', 'checked_ids',
+           'perplexity', 'int8_layers_on_meta', 'register_mode', 'next_log_probs', 'against_float_of',
            'activation_absmax', 'smooth_groups', 'smooth', 'smooth_plan', 'fused_kernel', 'PackedInt8Linear',
            'int4_quantize', 'int4_dequantize', 'Int4Linear', 'quantize_head']
 
@@ -260,11 +261,21 @@ class FbgemmLinear(nn.Module):
                 f"bias={self.has_bias}")
 
 # %% ../chapters/05_int8.ipynb #c41-quantize
-MODES = Registry("minillm.quant.MODES")  # mode -> its layer class
-MODES.update({"w8a16": Int8Linear, "w8a8": Int8Int8Linear, "fbgemm": FbgemmLinear,
-              "bnb-int8": None})
-GROUPED_MODES = Registry("minillm.quant.GROUPED_MODES")  # the modes that
-GROUPED_MODES["w8a16"] = True  # take group_size
+@dataclass(frozen=True)
+class QuantMode:
+    """One quantization mode: its layer class (None: built its own way), whether it
+    takes group_size, its own check of a layer ((name, linear, group_size), raises
+    ValueError), and whether load_model(path, quantization=mode) can build it."""
+    layer: type | None
+    grouped: bool = False
+    check: Callable | None = None
+    on_load: bool = False
+
+
+MODES = Registry("minillm.quant.MODES")  # name -> QuantMode: one record per mode
+MODES.update({"w8a16": QuantMode(Int8Linear, grouped=True, on_load=True),
+              "w8a8": QuantMode(Int8Int8Linear, on_load=True),
+              "fbgemm": QuantMode(FbgemmLinear), "bnb-int8": QuantMode(None)})
 
 
 def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = None,
@@ -287,14 +298,14 @@ def quantize(model: nn.Module, mode: str = "w8a16", group_size: int | None = Non
         elif mode == "fbgemm":
             new = FbgemmLinear(linear)
         else:
-            new = MODES[mode].from_linear(linear, group_size)
+            new = MODES[mode].layer.from_linear(linear, group_size)
         setattr(parent, child, new)
     return model
 
 # %% ../chapters/05_int8.ipynb #c41-bnb
 def is_quantized(model: nn.Module) -> bool:
     """Whether any layer of the model holds int8 weights (ours or bitsandbytes')."""
-    ours = tuple(c for c in MODES.values() if isinstance(c, type))
+    ours = tuple(m.layer for m in MODES.values() if m.layer is not None)
     return any(isinstance(m, ours) or type(m).__name__ == "Linear8bitLt"
                for m in model.modules())
 
@@ -342,10 +353,6 @@ def bnb_from_linear(linear: nn.Linear, threshold: float = 6.0) -> nn.Module:
     return layer.to(w.device)  # bitsandbytes quantizes the weight when it moves
 
 
-# mode -> check(name, linear, group_size), raises ValueError
-TARGET_CHECKS = Registry("minillm.quant.TARGET_CHECKS")
-
-
 def quantize_targets(model, mode: str, group_size, skip) -> list[tuple[str, nn.Module]]:
     """quantize's checks, all before any layer changes; returns the (name, layer)
     pairs to swap."""
@@ -360,9 +367,10 @@ def quantize_targets(model, mode: str, group_size, skip) -> list[tuple[str, nn.M
     if is_quantized(model):
         raise ValueError("the model is quantized already; load it again to quantize it "
                          "in another mode")
-    if group_size is not None and mode not in GROUPED_MODES:
-        raise ValueError(f"group_size={group_size!r}: only the modes "
-                         f"{sorted(GROUPED_MODES)} have groups")
+    if group_size is not None and not MODES[mode].grouped:
+        grouped = sorted(m for m, r in MODES.items() if r.grouped)
+        raise ValueError(f"group_size={group_size!r}: only the modes {grouped} "
+                         "have groups")
     if mode == "bnb-int8" and bnb_missing():
         raise ImportError(f"mode='bnb-int8': {bnb_missing()}")
     if mode == "fbgemm":
@@ -383,8 +391,8 @@ def quantize_targets(model, mode: str, group_size, skip) -> list[tuple[str, nn.M
                                        or linear.in_features % group_size):
             raise ValueError(f"group_size={group_size!r} does not divide "
                              f"{name}.in_features={linear.in_features}")
-        if mode in TARGET_CHECKS:  # a mode's own limits (section 12's int4)
-            TARGET_CHECKS[mode](name, linear, group_size)
+        if MODES[mode].check is not None:  # a mode's own limits (section 12's int4)
+            MODES[mode].check(name, linear, group_size)
         w = linear.weight.detach()  # NaN and inf show in the extremes
         low, high = torch.aminmax(w) if w.numel() else (0.0, 0.0)
         if not (math.isfinite(low) and math.isfinite(high)):  # no scale
@@ -453,10 +461,10 @@ def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
     Returns {weight name: fill(float_weight)}: the loader calls it with each float
     weight it reads, and the layer stores its int8 copy (load_model(quantization=...)).
     """
-    if mode not in ON_LOAD:
-        raise ValueError(f"mode={mode!r}: quantize-on-load supports {sorted(ON_LOAD)}; "
+    if mode not in MODES or not MODES[mode].on_load:
+        raise ValueError(f"mode={mode!r}: quantize-on-load supports "
+                         f"{sorted(m for m, r in MODES.items() if r.on_load)}; "
                          "for other modes load in float, then quantize()")
-    mode = ON_LOAD[mode]
     fill = {}
     for name, linear in list(model.named_modules()):
         if not isinstance(linear, nn.Linear) or name.rsplit(".", 1)[-1] in skip:
@@ -464,7 +472,7 @@ def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
         if linear.weight.device.type != "meta":
             raise ValueError(f"{name} is on {linear.weight.device}, not on the meta "
                              "device")
-        layer = MODES[mode](linear.in_features, linear.out_features,
+        layer = MODES[mode].layer(linear.in_features, linear.out_features,
                             linear.bias is not None, dtype=linear.weight.dtype,
                             device="meta")
         parent_name, _, child = name.rpartition(".")
@@ -474,10 +482,17 @@ def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
     return fill
 
 
-ON_LOAD = Registry("minillm.quant.ON_LOAD")  # name -> mode
-ON_LOAD.update({"int8": "w8a16", "w8a16": "w8a16", "w8a8": "w8a8"})
-for _mode in ("int8", "w8a16", "w8a8"):  # load_model(path, quantization=...)
-    QUANTIZATIONS[_mode] = int8_layers_on_meta
+def register_mode(name: str, mode: QuantMode) -> None:
+    """A mode, by name, for quantize(model, name) and, if it can be built on load,
+    load_model(path, quantization=name) (chapter 2's QUANTIZATIONS)."""
+    MODES[name] = mode
+    if mode.on_load:
+        QUANTIZATIONS[name] = int8_layers_on_meta
+
+
+for _mode in ("w8a16", "w8a8"):  # load_model(path, quantization=...)
+    register_mode(_mode, MODES[_mode])
+register_mode("int8", QuantMode(Int8Linear, grouped=True, on_load=True))  # w8a16
 
 # %% ../chapters/05_int8.ipynb #r03-score
 @torch.no_grad()
@@ -844,12 +859,6 @@ Int4Linear.load_float, Int4Linear.dequantize = _int4_load_float, _int4_dequantiz
 Int4Linear.extra_repr = _int4_extra_repr
 
 # %% ../chapters/05_int8.ipynb #k11-modes
-MODES.update({"int8": PackedInt8Linear, "int4": Int4Linear})
-GROUPED_MODES["int4"] = True  # int4 takes group_size (default 32)
-ON_LOAD.update({"int8": "int8", "int4": "int4"})  # load_model(quantization=...)
-QUANTIZATIONS["int4"] = int8_layers_on_meta
-
-
 def _int4_target(name: str, linear: nn.Linear, group_size) -> None:
     try:
         _check_int4_shape(linear.in_features, linear.out_features, group_size or 32)
@@ -857,7 +866,9 @@ def _int4_target(name: str, linear: nn.Linear, group_size) -> None:
         raise ValueError(f"{name}: {e}") from None
 
 
-TARGET_CHECKS["int4"] = _int4_target
+register_mode("int8", QuantMode(PackedInt8Linear, on_load=True))  # now packed
+register_mode("int4", QuantMode(Int4Linear, grouped=True, check=_int4_target,
+                                on_load=True))  # group_size: default 32
 
 
 def quantize_head(model: nn.Module, mode: str = "int8") -> nn.Module:
@@ -870,5 +881,5 @@ def quantize_head(model: nn.Module, mode: str = "int8") -> nn.Module:
     if not isinstance(head, nn.Linear):
         raise ValueError(f"model.lm_head is {type(head).__name__}, not an nn.Linear: "
                          "is it quantized already?")
-    model.lm_head = MODES[mode].from_linear(head)
+    model.lm_head = MODES[mode].layer.from_linear(head)
     return model

@@ -11,16 +11,14 @@ import functools
 import torch
 
 from .fused import ROWS
-from .loader import QUANTIZATIONS
-from .kernels.build import build_cpu_kernel
-from .quant import (GROUPED_MODES, INT4_GROUPS, MODES, ON_LOAD, TARGET_CHECKS,
-                           Int4Linear, absmax_quantize, int4_dequantize,
-                           int4_quantize, int8_layers_on_meta)
+from .kernels.build import build_cpu_kernel, cpp_files, define_op
+from .quant import (INT4_GROUPS, Int4Linear, QuantMode, absmax_quantize,
+                           int4_dequantize, int4_quantize, register_mode)
 from .w8a8_cpu import Int8A8Linear, quantized_blocks
 
 # %% auto #0
-__all__ = ['TILE_ROWS', 'TILED_A8_OP', 'tile_int4', 'untile_int4', 'tile_scales', 'tile_int8', 'tile_scale_zero',
-           'untile_scale_zero', 'kernel', 'tiled_a8_in_pytorch', 'Int4A8Linear', 'Int8A8Tiles']
+__all__ = ['tile_int4', 'untile_int4', 'tile_scales', 'tile_int8', 'tile_scale_zero', 'untile_scale_zero', 'kernel',
+           'tiled_a8_in_pytorch', 'Int4A8Linear', 'Int8A8Tiles']
 
 # %% ../chapters/07a_cpu_speed.ipynb #c9bg-w4
 def tile_int4(q: torch.Tensor) -> torch.Tensor:
@@ -61,123 +59,14 @@ def untile_scale_zero(tiled: torch.Tensor) -> torch.Tensor:
     """tile_scale_zero's inverse: [groups, N, 2]."""
     return tiled.transpose(0, 1).reshape(tiled.shape[1], -1, 2)
 
-# %% ../chapters/07a_cpu_speed.ipynb #c9bi-w4-cpp
-TILE_ROWS = r"""
-// Tile t (outputs 16t..16t+15) of rows m0..m0+r-1; per row: codes q, and per 32 the
-// scale sx and the codes' sum qsum. Bits 4: w = tile_int4's bytes, sz = [N/16, K/G, 16,
-// 2] bfloat16 (scale, zero). Bits 8: w = tile_int8's, sz = [N/16, K/32, 16] float.
-template <int Bits, int r>
-void tile_rows(const int8_t* q, const float* sx, const int32_t* qsum, const uint8_t* w,
-               const void* sz, float* y, int64_t K, int64_t N, int64_t G, int64_t m0,
-               int64_t t) {
-  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
-  __m512 acc[r];
-  for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / 32; ++b) {
-    __m512i d[r];  // each lane: one output's integer sum over the block
-    for (int i = 0; i < r; ++i) d[i] = _mm512_setzero_si512();
-    for (int c = 0; c < Bits; ++c) {  // 32 / Bits inputs of 16 outputs per load
-      const __m512i p = _mm512_loadu_si512(w + (t * K * Bits / 32 + b * Bits + c) * 64);
-      const __m512i u[2] = {Bits == 8 ? _mm512_xor_si512(p, flip)  // w + 128
-          : _mm512_and_si512(p, low), _mm512_and_si512(_mm512_srli_epi16(p, 4), low)};
-      for (int i = 0; i < r; ++i)
-        for (int h = 0; h < 8 / Bits; ++h)  // 4-bit: inputs 8c..8c+3, then +4..+7
-          d[i] = _mm512_dpbusd_epi32(d[i], u[h], _mm512_set1_epi32(*(const int32_t*)(
-              q + (m0 + i) * K + b * 32 + c * 32 / Bits + 4 * h)));
-    }
-    __m512 s, z = _mm512_setzero_ps();  // 16 outputs' scales (and zero points)
-    if (Bits == 8) s = _mm512_loadu_ps((const float*)sz + (t * K / 32 + b) * 16);
-    else {  // bfloat16 is a float's top half
-      const __m512i v = _mm512_loadu_si512((const uint16_t*)sz + (t * K / G + b * 32
-                                                                   / G) * 32);
-      s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF0000)));
-    }
-    for (int i = 0; i < r; ++i) {  // s (sum c q - offset * sum q) + z sum q
-      const int64_t mb = (m0 + i) * (K / 32) + b;
-      const __m512 e = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-          d[i], _mm512_set1_epi32((Bits == 8 ? 128 : 8) * qsum[mb])));
-      const __m512 zq = _mm512_mul_ps(z, _mm512_set1_ps(qsum[mb]));
-      const __m512 inner = _mm512_fmadd_ps(e, s, zq);
-      acc[i] = _mm512_fmadd_ps(inner, _mm512_set1_ps(sx[mb]), acc[i]);
-    }
-  }
-  for (int i = 0; i < r; ++i) _mm512_storeu_ps(y + (m0 + i) * N + t * 16, acc[i]);
-}
-"""
-
 # %% ../chapters/07a_cpu_speed.ipynb #c9bj-w4-build
-TILED_A8_OP = r"""
-void quantize_blocks(const float* x, int64_t K, int8_t* q, float* sx, int32_t* qsum) {
-  for (int64_t b = 0; b < K / 32; ++b) {  // as section 6: a scale per 32, rounded codes
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
-    const float s = amax / 127.f;  // x / s, as PyTorch rounds it: the same codes
-    int sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      q[b * 32 + i] = s > 0.f ? (int8_t)std::nearbyint(x[b * 32 + i] / s) : 0;
-      sum += q[b * 32 + i];
-    }
-    sx[b] = s, qsum[b] = sum;
-  }
-}
-
-template <int Bits>
-void all_tiles(const int8_t* q, const float* sx, const int32_t* qsum, const uint8_t* w,
-               const void* sz, float* y, int64_t M, int64_t K, int64_t N, int64_t G) {
-  at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m = 0; m < M; m += 4) {  // up to 4 rows per load of the tile
-        const int64_t r = std::min<int64_t>(4, M - m);
-        auto rows = r == 4 ? tile_rows<Bits, 4> : r == 3 ? tile_rows<Bits, 3>
-                  : r == 2 ? tile_rows<Bits, 2> : tile_rows<Bits, 1>;
-        rows(q, sx, qsum, w, sz, y, K, N, G, m, t);
-      }
-  });
-}
-
-torch::Tensor tiled_a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor sz,
-                              int64_t G) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const bool int8 = w.scalar_type() == torch::kInt8;
-  const bool fits = int8 ? w.size(1) == K && G == 32 &&
-      sz.sizes() == at::IntArrayRef({N / 16, K / 32, 16})
-      : w.scalar_type() == torch::kUInt8 && w.size(1) * 2 == K &&
-        sz.sizes() == at::IntArrayRef({N / 16, K / G, 16, 2});
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.is_contiguous() && N % 16 == 0 &&
-              G % 32 == 0 && K % G == 0 && fits, "tiled_a8_linear: x [rows, K]; "
-              "tile_int4's bytes [N, K/2] (N a multiple of 16) with tile_scale_zero's "
-              "[N/16, K/G, 16, 2], G a multiple of 32; or tile_int8's int8 [N, K] with "
-              "scales [N/16, K/32, 16], G = 32");
-  auto xf = x.to(torch::kFloat).contiguous();  // a float32 model's .to() made sz float:
-  auto s = sz.to(int8 ? torch::kFloat : torch::kBFloat16).contiguous();  // back
-  std::vector<int8_t> q(M * K);
-  std::vector<float> sx(M * K / 32);
-  std::vector<int32_t> qsum(M * K / 32);
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_blocks(xf.data_ptr<float>() + m * K, K, q.data() + m * K,
-                      sx.data() + m * K / 32, qsum.data() + m * K / 32);
-  });
-  auto y = torch::empty({M, N}, torch::kFloat);
-  (int8 ? all_tiles<8> : all_tiles<4>)(q.data(), sx.data(), qsum.data(),
-      (const uint8_t*)w.data_ptr(), s.data_ptr(), y.data_ptr<float>(), M, K, N, G);
-  return y.to(x.scalar_type());
-}
-TORCH_LIBRARY_IMPL(minillm, CPU, m) { m.impl("tiled_a8_linear", &tiled_a8_linear); }
-bool has_vnni() { return true; }
-#else
-bool has_vnni() { return false; }  // the operator keeps its PyTorch version
-#endif
-"""
-
-
 @functools.cache
 def kernel():
-    """The C++ above, built once per machine for this CPU (§5's build_cpu_kernel);
-    loading it makes it the CPU kernel of minillm::tiled_a8_linear."""
+    """minillm/csrc/tiled_a8.cpp, built once per machine for this CPU (§5's
+    build_cpu_kernel); loading it makes it the CPU kernel of
+    minillm::tiled_a8_linear."""
     return build_cpu_kernel("minillm_tiled_a8", "the tiled a8 kernel", ["has_vnni"],
-                            "#ifdef __AVX512VNNI__\n" + TILE_ROWS + TILED_A8_OP)
+                            cpp_files("quantize.h", "tiled_a8.cpp"))
 
 
 def tiled_a8_in_pytorch(x, w, scales, group_size: int) -> torch.Tensor:
@@ -195,13 +84,10 @@ def tiled_a8_in_pytorch(x, w, scales, group_size: int) -> torch.Tensor:
     return (quantized_blocks(x) @ weights.t()).to(x.dtype)
 
 
-if not hasattr(torch.ops.minillm, "tiled_a8_linear"):  # once per process
-    torch.library.define("minillm::tiled_a8_linear", "(Tensor x, Tensor w, "
-                         "Tensor scales, int group_size) -> Tensor")
-    torch.library.impl("minillm::tiled_a8_linear", "CompositeExplicitAutograd",
-                       tiled_a8_in_pytorch)
-    torch.library.register_fake("minillm::tiled_a8_linear",
-                                lambda x, w, s, g: x.new_empty(x.shape[0], w.shape[0]))
+define_op("tiled_a8_linear", "(Tensor x, Tensor w, Tensor scales, int group_size) "
+          "-> Tensor", tiled_a8_in_pytorch,
+          lambda x, w, s, g: x.new_empty(x.shape[0], w.shape[0]))
+
 
 # %% ../chapters/07a_cpu_speed.ipynb #c9bl-w4
 class Int4A8Linear(Int4Linear):
@@ -283,10 +169,7 @@ def _tiled_target(mode: str, groups: tuple):
 
 for _mode, _layer, _groups in [("int4-a8", Int4A8Linear, (None, *INT4_GROUPS)),
                                ("int8-a8-tiles", Int8A8Tiles, (None, 32))]:
-    MODES[_mode] = _layer
-    TARGET_CHECKS[_mode] = _tiled_target(_mode, _groups)
-    GROUPED_MODES[_mode] = True  # quantize(model, "int4-a8", group_size=64)
-    ON_LOAD[_mode] = _mode  # load_model(path, quantization="int4-a8")
-    QUANTIZATIONS[_mode] = int8_layers_on_meta
+    register_mode(_mode, QuantMode(  # quantize(model, "int4-a8", group_size=64),
+        _layer, grouped=True, check=_tiled_target(_mode, _groups), on_load=True))
 ROWS[Int4A8Linear] = {"weight": 0, "scale_zero": 0, "bias": 0}  # §4 stacks tiles
 ROWS[Int8A8Tiles] = {"weight": 0, "scale": 0, "bias": 0}

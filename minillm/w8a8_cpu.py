@@ -9,15 +9,11 @@ import functools
 
 import torch
 
-from .loader import QUANTIZATIONS
-from .kernels.build import build_cpu_kernel
-from .quant import (GROUPED_MODES, MODES, ON_LOAD, TARGET_CHECKS,
-                           PackedInt8Linear)
-from .quant import int8_layers_on_meta
+from .kernels.build import build_cpu_kernel, cpp_files, define_op
+from .quant import PackedInt8Linear, QuantMode, register_mode
 
 # %% auto #0
-__all__ = ['INT8_A8_QUANTIZE', 'INT8_A8_DOT', 'INT8_A8_OP', 'blockwise_linear', 'kernel', 'quantized_blocks', 'folded_blocks',
-           'Int8A8Linear']
+__all__ = ['blockwise_linear', 'kernel', 'quantized_blocks', 'folded_blocks', 'Int8A8Linear']
 
 # %% ../chapters/07a_cpu_speed.ipynb #c9ag-a8
 def blockwise_linear(x, w, scale, block: int = 32) -> torch.Tensor:
@@ -32,119 +28,14 @@ def blockwise_linear(x, w, scale, block: int = 32) -> torch.Tensor:
     sw = scale.float().reshape(w.shape[0], -1)  # [N, 1] or [N, blocks]
     return (dots * sx.squeeze(-1)[:, None, :] * sw).sum(-1)
 
-# %% ../chapters/07a_cpu_speed.ipynb #c9ai-a8-cpp
-INT8_A8_QUANTIZE = r"""
-// One row x [K] -> int8 codes q, a scale per 32 values spread over 8 lanes (vpdpbusd
-// adds the products of bytes 4j..4j+3 into lane j: lanes 0-7 cover the first 32 bytes
-// of each 64, lanes 8-15 the next 32), and the row's term 128 * sum_b s_b * sum(q_b).
-float quantize_row(const float* x, int64_t K, int8_t* q, float* sv) {
-  float offset = 0.f;
-  for (int64_t b = 0; b < K / 32; ++b) {
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
-    const float s = amax / 127.f;  // x / s, as PyTorch rounds it: the same codes
-    int sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      q[b * 32 + i] = s > 0.f ? (int8_t)std::nearbyint(x[b * 32 + i] / s) : 0;
-      sum += q[b * 32 + i];
-    }
-    for (int l = 0; l < 8; ++l) sv[b * 8 + l] = s;
-    offset += 128.f * s * sum;
-  }
-  return offset;
-}
-"""
-
-# %% ../chapters/07a_cpu_speed.ipynb #c9aj-a8-cpp
-INT8_A8_DOT = r"""
-constexpr int R = 4;  // activation rows served by each weight load
-
-// Outputs n0..n1 of rows m0..m0+r-1 (r <= R). A scale per output (sw [N]): y = sw *
-// (sum_b s_b (w+128).q - offset). Blocks: a scale per 32 weights too (sw [N, K/32]);
-// each lane's sum is made signed first (qs: 128 * the sum of its four q's).
-template <bool Blocks>
-void dot_rows(const int8_t* q, const float* sv, const float* offset, const __m512i* qs,
-              const int8_t* w, const float* sw, float* y, int64_t K, int64_t N,
-              int64_t m0, int r, int64_t n0, int64_t n1) {
-  const int64_t C = K / 64;  // 64 bytes per instruction
-  const __m512i flip = _mm512_set1_epi8((char)0x80);  // w XOR 0x80 = w + 128
-  for (int64_t n = n0; n < n1; ++n) {
-    __m512 acc[R];
-    for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < C; ++c) {
-      const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w + n * K + c * 64), flip);
-      const float* s2 = Blocks ? sw + n * (K / 32) + 2 * c : sw;  // this row's two
-      const __m512 ws = Blocks ? _mm512_insertf32x8(  // block scales, over 16 lanes
-          _mm512_set1_ps(s2[0]), _mm256_set1_ps(s2[1]), 1) : _mm512_setzero_ps();
-      for (int i = 0; i < r; ++i) {
-        const int64_t m = m0 + i;
-        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu,
-                                        _mm512_loadu_si512(q + m * K + c * 64));
-        __m512 s = _mm512_loadu_ps(sv + (m * C + c) * 16);
-        if (Blocks) d = _mm512_sub_epi32(d, qs[m * C + c]), s = _mm512_mul_ps(s, ws);
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[i]);  // d: exact
-      }
-    }
-    for (int i = 0; i < r; ++i)
-      y[(m0 + i) * N + n] = Blocks ? _mm512_reduce_add_ps(acc[i])
-          : (_mm512_reduce_add_ps(acc[i]) - offset[m0 + i]) * sw[n];
-  }
-}
-"""
-
 # %% ../chapters/07a_cpu_speed.ipynb #c9ak-a8-build
-INT8_A8_OP = r"""
-#ifdef __AVX512VNNI__
-torch::Tensor int8_a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor sw) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) &&
-              w.size(1) % 64 == 0 && w.scalar_type() == torch::kInt8 &&
-              w.is_contiguous() && (sw.numel() == w.size(0) || sw.numel() == w.size(0)
-              * (w.size(1) / 32)), "int8_a8_linear: x [rows, K], int8 w [N, K] (K a "
-              "multiple of 64) and a scale per output, or per 32 weights");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), C = K / 64;
-  const bool blocks = sw.numel() != N;
-  auto xf = x.to(torch::kFloat).contiguous();
-  auto swf = sw.to(torch::kFloat).contiguous();
-  std::vector<int8_t> q(M * K);
-  std::vector<float> sv(M * C * 16), offset(M);
-  std::vector<__m512i> qs(blocks ? M * C : 0);
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      offset[m] = quantize_row(xf.data_ptr<float>() + m * K, K, q.data() + m * K,
-                               sv.data() + m * C * 16);
-      for (int64_t c = 0; blocks && c < C; ++c)  // 128 * each lane's four q's
-        qs[m * C + c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(
-            (char)0x80), _mm512_loadu_si512(q.data() + m * K + c * 64));
-    }
-  });
-  auto y = torch::empty({M, N}, torch::kFloat);
-  constexpr int64_t NB = 16;  // outputs per piece of work: their weights stay in L1
-  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t m = 0; m < M; m += R)
-        (blocks ? dot_rows<true> : dot_rows<false>)(
-            q.data(), sv.data(), offset.data(), qs.data(), w.data_ptr<int8_t>(),
-            swf.data_ptr<float>(), y.data_ptr<float>(), K, N, m,
-            (int)std::min<int64_t>(R, M - m), b * NB, std::min(N, b * NB + NB));
-  });
-  return y.to(x.scalar_type());
-}
-// minillm::int8_a8_linear on CPU tensors: this function, called with no Python between
-TORCH_LIBRARY_IMPL(minillm, CPU, m) { m.impl("int8_a8_linear", &int8_a8_linear); }
-bool has_vnni() { return true; }
-#else
-bool has_vnni() { return false; }  // the operator keeps its PyTorch version
-#endif
-"""
-
-
 @functools.cache
 def kernel():
-    """The C++ above, built once per machine for this CPU (§5's build_cpu_kernel);
-    loading it makes it the operator's CPU kernel. Without AVX-512 VNNI it holds
-    only has_vnni(), false."""
+    """minillm/csrc/int8_a8.cpp, built once per machine for this CPU (§5's
+    build_cpu_kernel); loading it makes it the operator's CPU kernel. Without
+    AVX-512 VNNI it holds only has_vnni(), false."""
     return build_cpu_kernel("minillm_int8_a8", "the int8-a8 kernel", ["has_vnni"],
-                            INT8_A8_QUANTIZE + INT8_A8_DOT + INT8_A8_OP)
+                            cpp_files("quantize.h", "int8_a8.cpp"))
 
 
 def quantized_blocks(x, block: int = 32) -> torch.Tensor:
@@ -164,20 +55,9 @@ def folded_blocks(x, w, scale, block: int = 32) -> torch.Tensor:
     return quantized_blocks(x, block) @ wf.t()
 
 
-def _define_op() -> None:
-    """minillm::int8_a8_linear, a PyTorch operator that torch.compile calls as it
-    is: the kernel above on a CPU with VNNI (once built), else the same maths in
-    PyTorch; the fake gives the output's shape."""
-    torch.library.define("minillm::int8_a8_linear",
-                         "(Tensor x, Tensor w, Tensor scale) -> Tensor")
-    torch.library.impl("minillm::int8_a8_linear", "CompositeExplicitAutograd",
-                       lambda x, w, scale: folded_blocks(x, w, scale).to(x.dtype))
-    torch.library.register_fake("minillm::int8_a8_linear",
-                                lambda x, w, scale: x.new_empty(x.shape[0], w.shape[0]))
-
-
-if not hasattr(torch.ops.minillm, "int8_a8_linear"):  # once per process
-    _define_op()
+define_op("int8_a8_linear", "(Tensor x, Tensor w, Tensor scale) -> Tensor",
+          lambda x, w, scale: folded_blocks(x, w, scale).to(x.dtype),  # no VNNI
+          lambda x, w, scale: x.new_empty(x.shape[0], w.shape[0]))
 
 
 # %% ../chapters/07a_cpu_speed.ipynb #c9am-a8
@@ -208,8 +88,5 @@ def _int8_a8_target(name: str, linear, group_size) -> None:
                          "needs a multiple of 64 (use 'int8')")
 
 
-MODES["int8-a8"] = Int8A8Linear
-TARGET_CHECKS["int8-a8"] = _int8_a8_target
-GROUPED_MODES["int8-a8"] = True  # quantize(model, "int8-a8", group_size=32)
-ON_LOAD["int8-a8"] = "int8-a8"  # load_model(path, quantization="int8-a8")
-QUANTIZATIONS["int8-a8"] = int8_layers_on_meta
+register_mode("int8-a8", QuantMode(  # quantize(model, "int8-a8", group_size=32),
+    Int8A8Linear, grouped=True, check=_int8_a8_target, on_load=True))  # load_model

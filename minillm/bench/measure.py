@@ -158,7 +158,8 @@ def fast_copy(model, mode: str | None):
     if mode is None:
         return copied
     quantize(copied, mode)
-    copied.lm_head = MODES[fast.head].from_linear(copied.lm_head, fast.head_group_size)
+    copied.lm_head = MODES[fast.head].layer.from_linear(copied.lm_head,
+                                                     fast.head_group_size)
     return copied
 
 

@@ -107,7 +107,8 @@ def _cost_once(llm, batch: int, constrained: bool, max_tokens: int,
                device, cold: bool = False) -> dict:
     """One run of `batch` address requests: ms per token, the mask's share. cold:
     the compiled grammars forgotten first (compiled again, masks built again)."""
-    manager = llm.engine.structured_output_manager
+    from minillm.structured.engine import structured_output_manager
+    manager = structured_output_manager(llm.engine)
     if cold:
         manager.compiled.clear()
     so = constraint("address") if constrained else None
