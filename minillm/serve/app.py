@@ -34,15 +34,15 @@ router = APIRouter()
 MAX_BODY_BYTES = 4 * 2**20  # a request body's default bound (build_app, 413)
 
 # %% auto #0
-__all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'CHAT_REPLIES', 'Server', 'server', 'build_app', 'api_error',
+__all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'JSON', 'CHAT_REPLIES', 'Server', 'server', 'build_app', 'api_error',
            'validation_error', 'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit', 'merged_chars', 'health',
            'metrics', 'list_models', 'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize',
            'tokenizer_info', 'docs', 'docs_page', 'submit', 'submit_all', 'prompt_list', 'one_prompt', 'check_text',
            'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone', 'finite', 'token_text',
            'raw_bytes', 'token_key', 'completion_logprobs', 'echo_logprobs', 'echoed', 'chat_logprobs',
-           'prompt_logprobs_json', 'Sample', 'create_completion', 'completion_prompts', 'Choices', 'off_the_loop',
-           'add_delta', 'gather', 'gather_all', 'create_chat_completion', 'ChatReply', 'chat_reply', 'sse',
-           'event_stream', 'interleave', 'abort_all']
+           'prompt_logprobs_json', 'Sample', 'create_completion', 'completion_prompts', 'Choices', 'json_pieces',
+           'off_the_loop', 'add_delta', 'gather', 'gather_all', 'create_chat_completion', 'ChatReply', 'chat_reply',
+           'sse', 'event_stream', 'interleave', 'abort_all']
 
 # %% ../../chapters/09_serving.ipynb #s40b-app
 @dataclass
@@ -662,11 +662,35 @@ class Choices:
         return out
 
 
+JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def json_pieces(value, out: list, depth: int = 4) -> list:
+    """value as JSON, in pieces: json.dumps holds the GIL for the whole call
+    (0.6 s for 800,000 log-probabilities), so the outer containers (response,
+    choices, each choice, its log-probabilities) are written one item at a
+    time and other threads run in between."""
+    if depth and isinstance(value, dict) and value and all(
+            type(k) is str for k in value):
+        for i, (k, v) in enumerate(value.items()):
+            out.append(("{" if i == 0 else ",") + JSON(k) + ":")
+            json_pieces(v, out, depth - 1)
+        out.append("}")
+    elif depth and isinstance(value, list) and value:
+        for i, v in enumerate(value):
+            out.append("[" if i == 0 else ",")
+            json_pieces(v, out, depth - 1)
+        out.append("]")
+    else:
+        out.append(JSON(value))
+    return out
+
+
 async def off_the_loop(build) -> Response:
     """A whole response, built and written as JSON in a worker thread: a large
     one (many answers, log-probabilities) must not stall the event loop."""
     def encode() -> bytes:
-        return json.dumps(build(), ensure_ascii=False).encode("utf-8")
+        return "".join(json_pieces(build(), [])).encode("utf-8")
     return Response(await asyncio.to_thread(encode), media_type="application/json")
 
 # %% ../../chapters/09_serving.ipynb #s48e-add-delta
