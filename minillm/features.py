@@ -15,18 +15,18 @@ import importlib
 import sys
 from collections.abc import MutableMapping
 
-_QUANT_7A = {"int8-a8": "minillm.w8a8_cpu", "int4-a8": "minillm.tiled_a8",
-             "int8-a8-tiles": "minillm.tiled_a8"}  # chapter 7's appendix
+_QUANT_7A = {"int8-a8": "minillm.quant.w8a8_cpu", "int4-a8": "minillm.quant.tiled_a8",
+             "int8-a8-tiles": "minillm.quant.tiled_a8"}  # chapter 7's appendix
 
 # registry (its module and name) -> {key: the module that fills it}, or the modules
 # that fill it (a table with many keys, filled whole)
 REGISTRIES: dict[str, dict[str, str] | tuple[str, ...]] = {
     "minillm.sampling.SAMPLING_FIELDS": {"structured_outputs":            # chapter 11
                                          "minillm.structured.params"},
-    "minillm.loader.QUANTIZATIONS": {**dict.fromkeys(                     # chapter 5
-        ("int8", "w8a16", "w8a8", "int4"), "minillm.quant"), **_QUANT_7A},
-    "minillm.loader.DTYPE_RULES": {"cpu": "minillm.dtype_auto"},          # chapter 7
-    "minillm.quant.MODES": _QUANT_7A,
+    "minillm.model.loader.QUANTIZATIONS": {**dict.fromkeys(                     # chapter 5
+        ("int8", "w8a16", "w8a8", "int4"), "minillm.quant.int8"), **_QUANT_7A},
+    "minillm.model.loader.DTYPE_RULES": {"cpu": "minillm.perf.dtype_auto"},          # chapter 7
+    "minillm.quant.int8.MODES": _QUANT_7A,
     "minillm.kv.base.KV_BACKENDS": {"slots": "minillm.kv.slots",          # chapter 4
                                     "paged": "minillm.kv.paged"},         # chapter 6
     "minillm.kv.base.DEFAULT_KV_CACHE": {"continuous": "minillm.kv.paged"},  # 6
@@ -37,17 +37,17 @@ REGISTRIES: dict[str, dict[str, str] | tuple[str, ...]] = {
     "minillm.kv.paged.BLOCK_KEY_EXTRAS": {"cache_salt": "minillm.engine.cache_salt"},
     "minillm.engine.config.ENGINE_OPTIONS": {
         "cuda_graphs": "minillm.engine.graphs",                           # chapter 7
-        "fuse_projections": "minillm.fused",                              # its appendix
+        "fuse_projections": "minillm.quant.fused",                              # its appendix
         "compile_decode": "minillm.engine.compiled",
         "attention_backend": "minillm.engine.compiled",
         "inductor_compile_config": "minillm.engine.compiled",
-        "speculative_config": "minillm.spec.engine",                      # chapter 10
+        "speculative_config": "minillm.speculative.engine",                      # chapter 10
         "structured_outputs_config": "minillm.structured.engine",         # chapter 11
         "batch_invariant": "minillm.invariant.engine",                    # chapter 12
         "tensor_parallel_size": "minillm.parallel.engine"},               # chapter 13
     "minillm.engine.compiled.DECODE_ATTENTION": {"in_place":              # chapter 7
-                                                 "minillm.paged_decode"},
-    "minillm.fused.ROWS": ("minillm.tiled_a8",),                          # chapter 7
+                                                 "minillm.kernels.paged_decode"},
+    "minillm.quant.fused.ROWS": ("minillm.quant.tiled_a8",),                          # chapter 7
     "minillm.engine.llm_engine.REQUEST_CHECKS": {"structured_outputs":    # chapter 11
                                                  "minillm.structured.engine"},
     "minillm.engine.llm.MODEL_LOADERS": {"tensor_parallel_size":          # chapter 13
@@ -57,11 +57,11 @@ REGISTRIES: dict[str, dict[str, str] | tuple[str, ...]] = {
                                                      "minillm.structured.serve"},
     "minillm.serve.app.CHAT_REPLIES": {"tools": "minillm.structured.serve"},
     "minillm.serve.cli.ENGINE_FLAGS": {
-        "--speculative-config": "minillm.spec.serve",                     # chapter 10
+        "--speculative-config": "minillm.speculative.serve",                     # chapter 10
         "--batch-invariant": "minillm.invariant.serve",                   # chapter 12
         "--tensor-parallel-size": "minillm.parallel.serve"},              # chapter 13
     "minillm.serve.metrics.METRIC_COLLECTORS": {"spec_decode":            # chapter 10
-                                                "minillm.spec.serve"},
+                                                "minillm.speculative.serve"},
 }
 
 

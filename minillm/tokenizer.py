@@ -1099,7 +1099,7 @@ def _tokenizer_json_path(folder: Path) -> Path:
         raise FileNotFoundError(
             f"{str(folder)!r} does not exist as a folder or a tokenizer.json; for a "
             "GGUF file or a Hub name, find its folder first: "
-            "minillm.sources.resolve_folder(name)")
+            "minillm.model.sources.resolve_folder(name)")
     path = folder / "tokenizer.json" if folder.is_dir() else folder
     if not path.is_file():
         where = "" if folder.exists() else f" ({folder} does not exist)"

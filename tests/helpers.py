@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 import transformers
 
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.sampling import SamplingParams
 from minillm.sequence import Sequence
 

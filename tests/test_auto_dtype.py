@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import minillm.dtype_auto as perf
+import minillm.perf.dtype_auto as perf
 from minillm.engine import LLM
-from minillm.loader import DTYPE_RULES, load_model
+from minillm.model.loader import DTYPE_RULES, load_model
 
 TINY = Path(__file__).resolve().parent.parent / "data" / "tiny-shakespeare"
 
@@ -20,7 +20,7 @@ def speedup(monkeypatch):
     """Set what the measurement 'found' (and forget what was said)."""
     def set_to(value: float):
         monkeypatch.setattr(perf, "cpu_bf16_speedup", lambda: value)
-        monkeypatch.setattr("minillm.sources._ANNOUNCED", set())
+        monkeypatch.setattr("minillm.model.sources._ANNOUNCED", set())
     return set_to
 
 

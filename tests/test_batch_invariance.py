@@ -21,7 +21,7 @@ from minillm.invariant.ops import (FixedOrderAttention, FixedRowsLinear,
                                    make_batch_invariant)
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
-from minillm.sources import real_model
+from minillm.model.sources import real_model
 
 torch.set_num_threads(1)
 VOCAB = 49152

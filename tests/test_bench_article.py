@@ -47,7 +47,7 @@ def test_int8_arithmetic():
     ({"quantization": "int3"}, "quantization='int3'"),
 ])
 def test_bad_arguments_fail_before_loading(kw, message, monkeypatch):
-    monkeypatch.setattr("minillm.loader.load_model", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr("minillm.model.loader.load_model", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(ValueError, match=message):
         article.article_task(bundled_model_path(), "cpu", **kw)
 
@@ -73,10 +73,10 @@ def test_command_prints_and_writes(tmp_path, capsys):
 def test_a_preset_runs_on_random_weights(monkeypatch):
     """The GPU check's path (--model Llama-2-7B), on a small shape: nothing is read from
     disk, the linear layers are int8."""
-    from minillm.quant import Int8Linear
+    from minillm.quant.int8 import Int8Linear
     monkeypatch.setitem(PRESETS, "Tiny-Llama-test", {**PRESETS["SmolLM2-135M"],
                                                      "num_hidden_layers": 2})
-    monkeypatch.setattr("minillm.loader.load_model", lambda *a, **k: pytest.fail("read"))
+    monkeypatch.setattr("minillm.model.loader.load_model", lambda *a, **k: pytest.fail("read"))
     net = article.random_model("Tiny-Llama-test", torch.device("cpu"), torch.float32,
                                "int8")
     assert sum(isinstance(m, Int8Linear) for m in net.modules()) == 2 * 7

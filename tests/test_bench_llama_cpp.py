@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from minillm.bench import decode
-from minillm.loader import load_model
-from minillm.perf import decode_bytes
+from minillm.model.loader import load_model
+from minillm.perf.mbu import decode_bytes
 
 TINY = Path(__file__).resolve().parent.parent / "data" / "tiny-shakespeare"
 

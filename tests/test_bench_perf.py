@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minillm.bench import decode as bench_perf
-from minillm.perf import decode_bytes
+from minillm.perf.mbu import decode_bytes
 
 torch.set_num_threads(1)
 
@@ -67,7 +67,7 @@ def test_table_shows_the_kernel_launches_when_there_are_any(rows):
 
 
 def test_mbu_is_bytes_over_time_over_peak(rows):
-    from minillm.loader import load_model
+    from minillm.model.loader import load_model
     from minillm.utils import bundled_model_path
     model = load_model(bundled_model_path(), dtype=torch.float32, device="cpu")
     step = decode_bytes(model, context=12 + 5 // 2)

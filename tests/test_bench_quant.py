@@ -13,7 +13,7 @@ import torch
 from minillm.bench import quant as bq
 from minillm.bench.cli import torch_threads
 from minillm.memory import parameter_count
-from minillm.quant import Int8Linear
+from minillm.quant.int8 import Int8Linear
 from minillm.utils import bundled_model_path, repo_root
 
 FAST = dict(new_tokens=4, prompt_tokens=8, repeats=1, device="cpu", progress=False)

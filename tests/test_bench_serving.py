@@ -10,7 +10,7 @@ import torch
 from helpers import forbid
 from minillm.bench import cli, workloads
 from minillm.bench import serving as bs
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.utils import bundled_model_path, repo_root
 
 SMALL = dict(num_requests=6, max_num_seqs=3, prompt_tokens=(4, 12), output_tokens=(2, 9),

@@ -178,7 +178,7 @@ def test_each_full_block_of_a_request_is_hashed_once(monkeypatch):
 
     import minillm.kv.blocks as blocks_module
     from minillm.engine import LLMEngine
-    from minillm.loader import load_model
+    from minillm.model.loader import load_model
     from minillm.sampling import SamplingParams
     from minillm.utils import bundled_model_path
     model = load_model(bundled_model_path())

@@ -12,7 +12,7 @@ import torch
 from minillm import LLM
 from minillm.engine import LLMEngine
 from minillm.kv.blocks import BlockManager
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.sampling import SamplingParams
 from minillm.utils import bundled_model_path
 

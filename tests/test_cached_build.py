@@ -12,7 +12,7 @@ import transformers
 
 from minillm.bench import folders as bench
 from minillm.memory import PRESETS
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 
 LLAMAS = sorted(p for p, c in PRESETS.items() if c["model_type"] == "llama")
 SMALL = {"num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 256}

@@ -12,7 +12,7 @@ import pytest
 import safetensors
 
 import minillm.kernels.build
-import minillm.loader
+import minillm.model.loader
 import minillm.parallel.workers
 from helpers import forbid
 from minillm import LLM
@@ -44,7 +44,7 @@ def nothing_heavy(monkeypatch):
     """Reading a weight, loading a model, starting a worker or building a kernel
     fails the test."""
     forbid(monkeypatch, safetensors, "safe_open", "a weight was read")
-    forbid(monkeypatch, minillm.loader, "load_model", "the model was loaded")
+    forbid(monkeypatch, minillm.model.loader, "load_model", "the model was loaded")
     forbid(monkeypatch, minillm.parallel.workers, "WorkerGroup", "a worker started")
     forbid(monkeypatch, minillm.kernels.build, "load_inline", "a kernel was built")
 

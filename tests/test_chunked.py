@@ -18,7 +18,7 @@ from minillm.engine.scheduler import Batch, Scheduler
 from minillm.generate import generate
 from minillm.kv.paged import PagedKVCache
 from minillm.kv.slots import SlotKVCache
-from minillm.model import StepMeta
+from minillm.model.transformer import StepMeta
 from minillm.sequence import Sequence
 
 torch.set_num_threads(1)

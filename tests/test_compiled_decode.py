@@ -86,7 +86,7 @@ def test_another_model_of_the_same_shape_compiles_its_own_step(llama):
 SECOND_PROCESS = """
 import sys, torch
 from minillm.engine import LLMEngine
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.sampling import SamplingParams
 engine = LLMEngine(load_model(sys.argv[1]), max_num_seqs=1, max_model_len=32,
                    kv_cache="paged", compile_decode=True)

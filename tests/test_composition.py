@@ -17,9 +17,9 @@ import pytest
 from minillm.engine import LLMEngine
 from minillm.engine.config import ENGINE_OPTIONS, EngineConfig, check_int
 from minillm.engine.graphs import GraphForward
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.sampling import SamplingParams
-from minillm.spec.runner import Speculator
+from minillm.speculative.runner import Speculator
 from minillm.utils import bundled_model_path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
@@ -141,7 +141,7 @@ def test_options_apply_in_their_order_not_the_registration_order(model, monkeypa
 def test_reordering_imports_changes_nothing():
     """Whatever chapter's module comes first, the same parts run in the same order."""
     probe = ("from minillm.engine import LLMEngine\n"
-             "from minillm.loader import load_model\n"
+             "from minillm.model.loader import load_model\n"
              "from minillm.utils import bundled_model_path\n"
              "e = LLMEngine(load_model(bundled_model_path()), max_num_seqs=2, "
              "max_model_len=128, cuda_graphs=True, speculative_config="
@@ -151,9 +151,9 @@ def test_reordering_imports_changes_nothing():
              "type(e.kv).__name__, type(e.scheduler).__name__, "
              "type(e.runner.speculator).__name__, type(e.runner.forward).__name__, "
              "[type(p).__name__ for p in e.runner.logits_processors]]))")
-    orders = ["import minillm.structured.engine, minillm.spec.engine, "
+    orders = ["import minillm.structured.engine, minillm.speculative.engine, "
               "minillm.engine.graphs, minillm.kv.paged\n",
-              "import minillm.kv.paged, minillm.engine.graphs, minillm.spec.engine, "
+              "import minillm.kv.paged, minillm.engine.graphs, minillm.speculative.engine, "
               "minillm.structured.engine\n",
               ""]
     seen = [json.loads(python(first + probe)) for first in orders]
@@ -181,8 +181,8 @@ def test_the_server_and_the_command_line_name_no_later_chapter():
                  or "structured" in ast.unparse(n)]
         assert not named, (path.name, named)
     text = (PACKAGE / "features.py").read_text()
-    for module in ("minillm.spec.engine", "minillm.structured.engine",
-                   "minillm.spec.serve", "minillm.structured.serve", "minillm.quant"):
+    for module in ("minillm.speculative.engine", "minillm.structured.engine",
+                   "minillm.speculative.serve", "minillm.structured.serve", "minillm.quant.int8"):
         assert f'"{module}"' in text, module
 
 
@@ -242,7 +242,7 @@ def test_the_attached_finder_sees_an_imported_function(tmp_path):
 
 
 def test_attention_lives_in_one_module():
-    """The functions that attend over a cache live in minillm/attention.py (chapters 3
+    """The functions that attend over a cache live in minillm/kv/attention.py (chapters 3
     and 4 each export theirs into it); no KV backend computes attention itself."""
     from minillm import attention
     assert {"causal_mask", "cached_attention", "packed_groups",
@@ -436,7 +436,7 @@ def test_a_drafted_view_reads_the_requests_ids_without_copying_them():
     """Before: Drafted.output_ids built output + drafts as a new list on every access
     (chapter 4's prepare_packed and min_tokens read it per view, per step)."""
     from minillm.sequence import Sequence, block_early_stop
-    from minillm.spec.proposers import Drafted
+    from minillm.speculative.proposers import Drafted
     import torch
     seq = Sequence("r", CountingList(range(30)), SamplingParams(min_tokens=50, max_tokens=60),
                    frozenset({2}))

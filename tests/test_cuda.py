@@ -6,8 +6,8 @@ import torch
 from helpers import drive, greedy
 from minillm.engine import LLMEngine
 from minillm.generate import generate
-from minillm.loader import load_model
-from minillm.quant import int8_matmul, quantize
+from minillm.model.loader import load_model
+from minillm.quant.int8 import int8_matmul, quantize
 from minillm.utils import bundled_model_path
 
 pytestmark = pytest.mark.cuda
@@ -126,7 +126,7 @@ def test_a_decode_step_waits_for_the_gpu_once():
 def test_w8a8_does_not_copy_its_weight_per_forward():
     """The int8 weight goes to torch._int_mm as weight.t(), a view: a forward
     allocates far less than the weight's size."""
-    from minillm.quant import Int8Int8Linear
+    from minillm.quant.int8 import Int8Int8Linear
     layer = Int8Int8Linear.from_linear(torch.nn.Linear(4096, 4096, bias=False).cuda())
     x = torch.randn(1, 4096, device="cuda")
     layer(x)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from minillm import LLM
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.engine.config import EngineConfig, chapter_of
 from minillm.engine.scheduler import Scheduler
 from minillm.kv.paged import PagedKVCache

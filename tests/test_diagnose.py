@@ -1,4 +1,4 @@
-"""minillm.diagnose: the chapter 8 helpers, against direct computations; bad input;
+"""minillm.perf.diagnose: the chapter 8 helpers, against direct computations; bad input;
 chat_prompt_problems on prompts with each problem (minillm and transformers tokenizer)."""
 from types import SimpleNamespace
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 import transformers
 
-from minillm.diagnose import (answer_loss, chat_prompt_problems, eos_probability,
+from minillm.perf.diagnose import (answer_loss, chat_prompt_problems, eos_probability,
                               input_lengths, memory_triage, repeated_share, stop_cause)
 from minillm.engine import LLM
 from minillm.generate import generate
 from minillm.memory import kv_cache_bytes, weight_bytes
-from minillm.naive import naive_generate
+from minillm.model.naive import naive_generate
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.utils import bundled_model_path

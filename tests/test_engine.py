@@ -16,8 +16,8 @@ from minillm.kv.paged import PagedKVCache
 from minillm.kv.slots import SlotKVCache
 from minillm.kv.contiguous import KVCache
 from minillm.generate import generate
-from minillm.loader import load_model
-from minillm.model import StepMeta
+from minillm.model.loader import load_model
+from minillm.model.transformer import StepMeta
 from minillm.sampling import SamplingParams
 from minillm.sequence import Sequence
 from minillm.tokenizer import Tokenizer

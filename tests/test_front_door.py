@@ -77,7 +77,7 @@ def test_dir_lists_the_public_names():
 def test_vllm_arguments_accepted_where_they_mean_something():
     llm = LLM(str(SHAKESPEARE), device="cpu", dtype="auto", enforce_eager=True,
               tensor_parallel_size=1, trust_remote_code=False, max_num_seqs=2)
-    from minillm.dtype_auto import cpu_auto_dtype  # chapter 7 appendix: the measured rule
+    from minillm.perf.dtype_auto import cpu_auto_dtype  # chapter 7 appendix: the measured rule
     assert llm.engine.model.lm_head.weight.dtype == \
         cpu_auto_dtype(None, torch.device("cpu"))
     assert not llm.engine.requests and llm.engine.max_model_len > 0

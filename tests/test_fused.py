@@ -9,11 +9,11 @@ import torch
 
 from helpers import FAMILIES, make_hf_model
 from minillm.engine import LLMEngine
-from minillm.fused import FusedAttention, FusedMLP, fuse_projections, stack_rows
+from minillm.quant.fused import FusedAttention, FusedMLP, fuse_projections, stack_rows
 from minillm.invariant.ops import make_batch_invariant
-from minillm.loader import load_model
-from minillm.model import Attention
-from minillm.quant import quantize
+from minillm.model.loader import load_model
+from minillm.model.transformer import Attention
+from minillm.quant.int8 import quantize
 from minillm.sampling import SamplingParams
 from minillm.utils import bundled_model_path
 

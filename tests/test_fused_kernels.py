@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-import minillm.quant as quant
+import minillm.quant.int8 as quant
 from minillm.engine import LLM
-from minillm.loader import load_model
-from minillm.perf import decode_bytes
-from minillm.quant import (Int4Linear, Int8Linear, PackedInt8Linear, fused_kernel,
+from minillm.model.loader import load_model
+from minillm.perf.mbu import decode_bytes
+from minillm.quant.int8 import (Int4Linear, Int8Linear, PackedInt8Linear, fused_kernel,
                            int4_dequantize, int4_quantize, is_quantized, quantize,
                            quantize_head)
 from minillm.sampling import SamplingParams

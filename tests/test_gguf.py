@@ -1,4 +1,4 @@
-"""GGUF files (minillm.gguf, Chapter 2 section 11), Hub names, chat templates, LLM.chat.
+"""GGUF files (minillm.model.gguf, Chapter 2 section 11), Hub names, chat templates, LLM.chat.
 
 The oracles: llama.cpp's own `gguf` package (its dequantize, its quantizer, its writer), the
 original model folder a GGUF file was written from, and `transformers`' GGUF loader."""
@@ -14,8 +14,8 @@ import torch
 
 from minillm import gguf as mg
 from minillm import sources as ms
-from minillm.loader import load_model
-from minillm.sources import resolve_folder
+from minillm.model.loader import load_model
+from minillm.model.sources import resolve_folder
 from minillm.tokenizer import Tokenizer
 from minillm.utils import bundled_model_path
 

@@ -17,8 +17,8 @@ import minillm.engine.runner as runner_module
 from helpers import greedy
 from minillm.engine import LLM, LLMEngine
 from minillm.engine.llm import RequestError
-from minillm.loader import load_model
-from minillm.quant import quantize
+from minillm.model.loader import load_model
+from minillm.quant.int8 import quantize
 from minillm.tokenizer import Tokenizer
 
 torch.set_num_threads(1)
@@ -345,7 +345,7 @@ def test_graph_buckets_must_be_ints(bundled):
 
 def test_llm_loads_a_folder_in_int8(bundled):
     llm = LLM(str(SHAKESPEARE), quantization="int8")
-    from minillm.quant import is_quantized
+    from minillm.quant.int8 import is_quantized
     assert is_quantized(llm.engine.model)
     assert llm.generate("ROMEO:\n", greedy(5), use_tqdm=False)[0].outputs[0].token_ids
 
@@ -403,7 +403,7 @@ def test_quantize_refuses_nan_or_inf_weights_and_changes_nothing(bundled):
     ([1, 2, 3], 10**6, "longer than the model's context"),
 ])
 def test_perplexity_refuses_what_is_not_token_ids(bundled, ids, window, match):
-    from minillm.quant import perplexity
+    from minillm.quant.int8 import perplexity
     with pytest.raises(ValueError, match=match):
         perplexity(bundled[0], ids, window)
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from minillm.engine import LLMEngine
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.sampling import SamplingParams
 from minillm.serve.async_engine import AsyncEngine
 from minillm.utils import bundled_model_path

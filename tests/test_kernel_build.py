@@ -89,7 +89,7 @@ def test_collecting_the_tests_builds_nothing(tmp_path):
                     "-p", "no:randomly", "tests/test_w8a8_cpu.py",
                     "tests/test_tiled_a8.py", "tests/test_paged_decode.py"],
                    cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
-    subprocess.run([sys.executable, "-c", "import minillm.w8a8_cpu, "
-                    "minillm.tiled_a8, minillm.paged_decode"],
+    subprocess.run([sys.executable, "-c", "import minillm.quant.w8a8_cpu, "
+                    "minillm.quant.tiled_a8, minillm.kernels.paged_decode"],
                    cwd=ROOT, env=env, check=True, timeout=300)
     assert list(tmp_path.iterdir()) == []

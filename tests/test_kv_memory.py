@@ -8,7 +8,7 @@ from minillm.engine import LLM, LLMEngine
 from minillm.kv import paged
 from minillm.kv.contiguous import KVMemoryError
 from minillm.kv.paged import PagedKVCache, kv_bytes_from_memory
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.utils import bundled_model_path
 
 GiB = 2**30

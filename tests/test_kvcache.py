@@ -8,9 +8,9 @@ import torch
 from minillm.kv.contiguous import KVCache
 from minillm.generate import generate, generate_tokens, stream, watch_input_lengths
 from minillm.memory import kv_cache_bytes
-from minillm.loader import load_model
-from minillm.model import StepMeta
-from minillm.naive import naive_generate
+from minillm.model.loader import load_model
+from minillm.model.transformer import StepMeta
+from minillm.model.naive import naive_generate
 from minillm.sampling import SamplingParams
 
 from helpers import TINY, hf_greedy, make_model_pair

@@ -21,8 +21,8 @@ from minillm.engine.scheduler import Scheduler
 from minillm.kv.base import KVBackend
 from minillm.kv.paged import PagedKVCache
 from minillm.kv.slots import SlotKVCache
-from minillm.loader import load_model
-from minillm.model import StepMeta
+from minillm.model.loader import load_model
+from minillm.model.transformer import StepMeta
 from minillm.sampling import SamplingParams
 from minillm.utils import bundled_model_path
 
@@ -41,7 +41,7 @@ def imported_modules(path: Path) -> set[str]:
                 name = ".".join(base + ((node.module,) if node.module else ()))
             else:
                 name = node.module or ""
-            out.add(name)  # and `from minillm import quant`: the module minillm.quant
+            out.add(name)  # and `from minillm import quant`: the module minillm.quant.int8
             out |= {f"{name}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names}

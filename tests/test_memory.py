@@ -13,8 +13,8 @@ import transformers
 from minillm.memory import (DTYPE_BYTES, GPU_MEMORY_MIB, PRESETS, dtype_bytes, dtype_name,
                             format_gib, head_dim, kv_cache_bytes, memory_calculator_html,
                             memory_report, parameter_count, weight_bytes)
-from minillm.config import ModelConfig
-from minillm.model import Transformer
+from minillm.model.config import ModelConfig
+from minillm.model.transformer import Transformer
 from minillm.utils import bundled_model_path
 
 LLAMA2_7B_LIKE = {"num_hidden_layers": 32, "num_attention_heads": 32, "head_dim": 128}

@@ -8,7 +8,7 @@ import torch
 from helpers import drive, greedy, hf_greedy
 from minillm.engine import LLMEngine
 from minillm.generate import generate
-from minillm.naive import naive_generate
+from minillm.model.naive import naive_generate
 from minillm.sampling import SamplingParams
 from minillm.sequence import Sequence, block_early_stop
 

@@ -1,4 +1,4 @@
-"""minillm.model: config parsing, loading, and logits equal to transformers on tiny random models."""
+"""minillm.model.transformer: config parsing, loading, and logits equal to transformers on tiny random models."""
 import json
 import re
 import warnings
@@ -8,9 +8,9 @@ import torch
 import transformers
 
 from helpers import FAMILIES, TINY, make_hf_model
-from minillm.config import ModelConfig
-from minillm.loader import load_model
-from minillm.model import StepMeta, Transformer
+from minillm.model.config import ModelConfig
+from minillm.model.loader import load_model
+from minillm.model.transformer import StepMeta, Transformer
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""minillm.naive: the naive loop against transformers' generate, stopping rules, bad input."""
+"""minillm.model.naive: the naive loop against transformers' generate, stopping rules, bad input."""
 import copy
 import re
 
@@ -8,11 +8,11 @@ import torch
 import transformers
 
 from helpers import hf_greedy, make_model_pair
-from minillm.loader import load_model
-from minillm.naive import naive_generate
+from minillm.model.loader import load_model
+from minillm.model.naive import naive_generate
 from minillm.sampling import NonFiniteLogitsError, SamplingParams
 from minillm import timing
-from minillm.timing import median_time, time_per_token
+from minillm.perf.timing import median_time, time_per_token
 from minillm.utils import bundled_model_path
 
 torch.set_num_threads(1)

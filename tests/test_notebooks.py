@@ -165,14 +165,14 @@ def test_export_refuses_two_notebooks_writing_one_module(tmp_path):
 
 
 def test_a_shared_module_gathers_each_chapters_cells_in_chapter_order(tmp_path):
-    """minillm/attention.py is written by chapter 3 and appended to by chapter 4: each
+    """minillm/kv/attention.py is written by chapter 3 and appended to by chapter 4: each
     chapter teaches its own attention function; the module has both, in order, once."""
     (tmp_path / "chapters").mkdir()
     (tmp_path / "lib").mkdir()
     write_notebook(tmp_path / "chapters", "00_a.ipynb", "#| default_exp alpha",
-                   "#| export attention\nimport math\ndef f(): return math.pi")
+                   "#| export kv.attention\nimport math\ndef f(): return math.pi")
     write_notebook(tmp_path / "chapters", "01_b.ipynb", "#| default_exp beta",
-                   "#| export attention\ndef g(): return f() + 1")
+                   "#| export kv.attention\ndef g(): return f() + 1")
     for _ in range(2):  # a second export writes the same module, not a longer one
         export.export(tmp_path / "chapters", tmp_path / "lib")
     text = (tmp_path / "lib" / "attention.py").read_text()

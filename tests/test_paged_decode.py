@@ -1,4 +1,4 @@
-"""minillm.paged_decode (chapter 7's appendix, §5): decode attention that reads the
+"""minillm.kernels.paged_decode (chapter 7's appendix, §5): decode attention that reads the
 paged pool in place. The page-by-page reference and the C++ kernel give gather +
 PyTorch's attention; the kernel checks every read before it starts; the engine's
 attention_backend="in_place" gives the gather path's greedy tokens in float32."""
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers import drive, make_model_pair
 from minillm.engine import LLMEngine
 from minillm.engine.compiled import CompiledForward
-from minillm.paged_decode import PagesInPlace, attend_pages, paged_decode
+from minillm.kernels.paged_decode import PagesInPlace, attend_pages, paged_decode
 from minillm.sampling import SamplingParams
 
 torch.set_num_threads(2)
@@ -57,7 +57,7 @@ def test_the_kernel_gives_the_reference_on_rows_of_any_length(d, kv_heads, G):
 def test_the_operator_runs_the_cpu_kernel_and_pytorch_elsewhere():
     # paged_decode loads the kernel: the operator's CPU kernel, in C++. Its PyTorch
     # body (attend_pages per row) is what runs where the kernel is not registered.
-    from minillm.paged_decode import _pages_in_pytorch
+    from minillm.kernels.paged_decode import _pages_in_pytorch
     torch.manual_seed(1)
     k, v = pool(16, 8, 3, 64)
     q, tables = torch.randn(2, 9, 64), torch.stack([torch.randperm(16) for _ in "ab"])

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.engine.llm import LLM
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.parallel.shard import (ShardedTransformer, head_split, load_shard,
                                     local_config, shard_slice, split)
 from minillm.sampling import SamplingParams
-from minillm.sources import real_model
+from minillm.model.sources import real_model
 from test_readme_serve import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent

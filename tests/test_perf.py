@@ -1,10 +1,10 @@
-"""minillm.perf: GPU peak table lookup and memory-bandwidth utilisation."""
+"""minillm.perf.mbu: GPU peak table lookup and memory-bandwidth utilisation."""
 import copy
 
 import pytest
 
 from helpers import compiling
-from minillm.perf import GPU_PEAKS, mbu, peak_for
+from minillm.perf.mbu import GPU_PEAKS, mbu, peak_for
 
 
 def test_peak_for_picks_the_longest_matching_name():
@@ -28,7 +28,7 @@ def test_mbu():
 
 
 def test_measure_bandwidth_is_a_positive_rate_and_refuses_bad_sizes():
-    from minillm.perf import measure_bandwidth
+    from minillm.perf.mbu import measure_bandwidth
     rate = measure_bandwidth("cpu", nbytes=2**22, repeats=3)
     assert 1e8 < rate < 1e13  # between 0.1 GB/s and 10 TB/s
     for kw in (dict(nbytes=1000), dict(nbytes=2.0**22), dict(repeats=0),
@@ -38,8 +38,8 @@ def test_measure_bandwidth_is_a_positive_rate_and_refuses_bad_sizes():
 
 
 def test_decode_bytes_counts_weights_once_and_one_embedding_row(llama):
-    from minillm.perf import decode_bytes
-    from minillm.quant import quantize
+    from minillm.perf.mbu import decode_bytes
+    from minillm.quant.int8 import quantize
     _, model = llama
     c = model.config
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -79,7 +79,7 @@ def test_compile_parts_keeps_weights_names_and_logits(llama):
 def test_quiet_native_stderr_silences_fd_2_and_restores_it(capfd):
     import os
 
-    from minillm.perf import quiet_native_stderr
+    from minillm.perf.mbu import quiet_native_stderr
     with quiet_native_stderr():
         os.write(2, b"hidden\n")
     os.write(2, b"shown\n")
@@ -94,7 +94,7 @@ def test_quiet_native_stderr_silences_fd_2_and_restores_it(capfd):
 def test_launch_counts_adds_every_launch_function_and_nothing_else():
     from types import SimpleNamespace
 
-    from minillm.perf import KERNEL_LAUNCHES, launch_counts
+    from minillm.perf.mbu import KERNEL_LAUNCHES, launch_counts
     events = [("aten::mm", 3), ("aten::add", 2), ("cudaLaunchKernel", 10),
               ("cudaLaunchKernelExC", 4), ("cuLaunchKernel", 5),
               ("cuLaunchKernelEx", 1),
@@ -110,7 +110,7 @@ def test_launch_counts_of_a_cpu_profile_has_ops_and_no_launches():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from minillm.perf import launch_counts, quiet_native_stderr
+    from minillm.perf.mbu import launch_counts, quiet_native_stderr
     x = torch.randn(8, 8)
     with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
         (x @ x).relu().sum()

@@ -1,4 +1,4 @@
-"""minillm.quant (chapter 5): absmax int8 quantization keeps every weight within half a step;
+"""minillm.quant.int8 (chapter 5): absmax int8 quantization keeps every weight within half a step;
 W8A16 and W8A8 layers compute what their int math says (also through the exact float64 path);
 quantize() swaps the right layers, refuses bad input without changing anything, and the
 quantized model runs in chapter 3's loop and chapter 4's engine with the same tokens, while the
@@ -18,13 +18,13 @@ import torch.nn as nn
 
 from minillm.engine import LLM
 from minillm.generate import generate
-from minillm.loader import load_model
-from minillm.quant import (FbgemmLinear, Int8Int8Linear, Int8Linear, PackedInt8Linear,
+from minillm.model.loader import load_model
+from minillm.quant.int8 import (FbgemmLinear, Int8Int8Linear, Int8Linear, PackedInt8Linear,
                            absmax_quantize,
                            activation_absmax, bnb_missing, dequantize, exact_int8_matmul,
                            fbgemm_missing, int8_layers_on_meta, int8_matmul, is_quantized, perplexity,
                            quantize, smooth)
-from minillm.quant_formats import gguf_quantize, gguf_round_trip
+from minillm.quant.formats import gguf_quantize, gguf_round_trip
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
@@ -502,7 +502,7 @@ def test_bitsandbytes_import_logs_never_reach_the_page(tmp_path):
     import sys
     (tmp_path / "bitsandbytes").mkdir()
     (tmp_path / "bitsandbytes" / "__init__.py").write_text(FAKE_BNB)
-    code = ("import logging, minillm.quant as q\n"
+    code = ("import logging, minillm.quant.int8 as q\n"
             "q.import_bitsandbytes()\n"
             "assert logging.getLogger('bitsandbytes').level == logging.NOTSET\n"
             "assert q.bnb_missing() is None\n")
@@ -516,7 +516,7 @@ def test_bitsandbytes_import_logs_never_reach_the_page(tmp_path):
 # --- the exact float64 path of int8_matmul ----------------------------------------------------
 
 def test_exact_int8_matmul_gives_the_same_sums_and_outputs():
-    import minillm.quant as q
+    import minillm.quant.int8 as q
     torch.manual_seed(6)
     a = torch.randint(-127, 128, (9, 1536), dtype=torch.int8)
     b = torch.randint(-127, 128, (1536, 40), dtype=torch.int8)
@@ -536,7 +536,7 @@ def test_exact_int8_matmul_gives_the_same_sums_and_outputs():
 
 
 def test_exact_int8_matmul_takes_the_float64_path_on_the_cpu(monkeypatch):
-    import minillm.quant as q
+    import minillm.quant.int8 as q
     calls = []
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(1) or
                         (a.long() @ b.long()).to(torch.int32))
@@ -746,7 +746,7 @@ def format_cases() -> list[torch.Tensor]:
 def test_gguf_quantize_writes_llama_cpp_bytes(kind):
     import gguf
 
-    from minillm.gguf import BLOCKS
+    from minillm.model.gguf import BLOCKS
     per_block, nbytes = BLOCKS[kind]
     for w in format_cases():
         ours = gguf_quantize(w, kind)

@@ -4,8 +4,8 @@ exactly the modes that can be built on load."""
 import pytest
 import torch
 
-from minillm.loader import QUANTIZATIONS
-from minillm.quant import MODES, QuantMode, quantize
+from minillm.model.loader import QUANTIZATIONS
+from minillm.quant.int8 import MODES, QuantMode, quantize
 
 
 def test_every_mode_is_one_record():

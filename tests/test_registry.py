@@ -104,12 +104,12 @@ def test_loading_a_model_imports_no_engine():
     later chapters (before: the quantization registry imported chapter 5, chapter 7's
     kernels and through them the engine)."""
     out = subprocess.run([sys.executable, "-c", (
-        "import sys\nfrom minillm.loader import load_model\n"
+        "import sys\nfrom minillm.model.loader import load_model\n"
         "from minillm.utils import bundled_model_path\nload_model(bundled_model_path())\n"
         "print(sorted(m for m in sys.modules if m.startswith('minillm')))")],
         capture_output=True, text=True, check=True, cwd=PACKAGE.parent).stdout
-    assert eval(out) == ["minillm", "minillm.config", "minillm.features", "minillm.gguf",
-                         "minillm.loader", "minillm.model", "minillm.sources",
+    assert eval(out) == ["minillm", "minillm.model.config", "minillm.features", "minillm.model.gguf",
+                         "minillm.model.loader", "minillm.model.transformer", "minillm.model.sources",
                          "minillm.utils"]
 
 

@@ -14,9 +14,9 @@ import torch
 import minillm.engine.runner as runner_module
 import minillm.sampling as sampling
 from helpers import greedy
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.engine import LLM, LLMEngine
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 

@@ -12,7 +12,7 @@ import torch
 from minillm import sampling
 from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.runner import ModelRunner
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.sampling import SamplingParams, filter_logits, sample
 from minillm.tokenizer import Tokenizer
 

@@ -16,14 +16,14 @@ from collections import Counter
 import pytest
 import torch
 
-import minillm.spec.engine  # noqa: F401  registers speculative_config
+import minillm.speculative.engine  # noqa: F401  registers speculative_config
 from minillm.engine.llm import LLM
 from minillm.engine.llm_engine import LLMEngine
-from minillm.model import Transformer
+from minillm.model.transformer import Transformer
 from minillm.sampling import SamplingParams
-from minillm.sources import SMOLLM2, local_copy
-from minillm.spec import runner as spec_runner
-from minillm.spec.rejection import draw, rejection_sample
+from minillm.model.sources import SMOLLM2, local_copy
+from minillm.speculative import runner as spec_runner
+from minillm.speculative.rejection import draw, rejection_sample
 from minillm.utils import bundled_model_path
 
 torch.set_num_threads(1)

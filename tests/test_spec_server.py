@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from test_serve import NAME, tiny_llm  # noqa: E402
 
-import minillm.spec.serve  # noqa: E402,F401  registers the flag and the counters
+import minillm.speculative.serve  # noqa: E402,F401  registers the flag and the counters
 from minillm.sampling import SamplingParams  # noqa: E402
 from minillm.serve import cli  # noqa: E402
 from minillm.serve.app import build_app  # noqa: E402

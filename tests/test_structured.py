@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from minillm.engine.llm import LLM
 from minillm.engine.llm_engine import LLMEngine
-from minillm.sources import SMOLLM2, local_copy
+from minillm.model.sources import SMOLLM2, local_copy
 from minillm.structured import engine as so_engine
 from minillm.structured.backends import FSMBackend, XGrammarBackend, token_vocab
 from minillm.structured.engine import (apply_bitmask, check_structured_outputs_config,

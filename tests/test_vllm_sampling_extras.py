@@ -13,7 +13,7 @@ import torch
 from minillm.engine.llm import LLM
 from minillm.engine.llm_engine import LLMEngine
 from minillm.generate import generate
-from minillm.naive import naive_generate
+from minillm.model.naive import naive_generate
 from minillm import sampling
 from minillm.sampling import SamplingParams, filter_logits, sample
 from minillm.utils import bundled_model_path

@@ -1,4 +1,4 @@
-"""minillm.w8a8_cpu (chapter 7's appendix, §6): int8 weights times activations quantized
+"""minillm.quant.w8a8_cpu (chapter 7's appendix, §6): int8 weights times activations quantized
 to int8 in blocks of 32. The C++ kernel (AVX-512 VNNI) gives blockwise_linear's answer,
 a row's bits do not depend on the rows beside it, the operator computes the same maths
 without VNNI, and the mode "int8-a8" is registered for quantize, load_model, the fused
@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-import minillm.w8a8_cpu as w8a8_cpu
+import minillm.quant.w8a8_cpu as w8a8_cpu
 from minillm.engine import LLMEngine
-from minillm.fused import stack_rows
-from minillm.loader import load_model
-from minillm.quant import quantize
+from minillm.quant.fused import stack_rows
+from minillm.model.loader import load_model
+from minillm.quant.int8 import quantize
 from minillm.sampling import SamplingParams
 from minillm.utils import bundled_model_path
-from minillm.w8a8_cpu import Int8A8Linear, blockwise_linear, folded_blocks
+from minillm.quant.w8a8_cpu import Int8A8Linear, blockwise_linear, folded_blocks
 from helpers import kernel_fixture
 
 torch.set_num_threads(2)
@@ -123,9 +123,9 @@ def test_load_model_quantizes_on_load_to_the_same_layers():
 
 
 def test_the_mode_is_registered_in_one_place_for_a_fresh_process():
-    code = ("import sys, torch.nn as nn\nfrom minillm.quant import quantize\n"
+    code = ("import sys, torch.nn as nn\nfrom minillm.quant.int8 import quantize\n"
             "m = quantize(nn.Sequential(nn.Linear(64, 8)), 'int8-a8', skip=())\n"
-            "print(type(m[0]).__name__, 'minillm.w8a8_cpu' in sys.modules)")
+            "print(type(m[0]).__name__, 'minillm.quant.w8a8_cpu' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.split() == ["Int8A8Linear", "True"]

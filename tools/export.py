@@ -6,7 +6,7 @@
 Every module belongs to exactly one notebook: when two notebooks export into the same
 module (two `#| default_exp x`, or a `#| export x` in another chapter), the export stops
 before it writes anything and names both notebooks. The one exception is a module named
-in SHARED_MODULES (`minillm/attention.py`): each chapter teaches its own attention
+in SHARED_MODULES (`minillm/kv/attention.py`): each chapter teaches its own attention
 function in its own cells, and the module gathers them in chapter order (the first
 chapter writes the header and imports; a later chapter's cells are appended, so they
 may not hold a `from __future__` import).
@@ -44,7 +44,7 @@ from nbdev.process import NBProcessor
 ROOT = Path(__file__).resolve().parent.parent
 HAND_WRITTEN = {"__init__.py", "__main__.py", "features.py"}  # modules no notebook owns
 HAND_WRITTEN_PACKAGES = ("bench",)  # folders of minillm/ that no notebook exports into
-SHARED_MODULES = {"attention"}  # modules several chapters export into, in chapter order
+SHARED_MODULES = {"kv.attention"}  # modules several chapters export into, in chapter order
 SUFFIXES = {".py", ".cpp", ".h"}  # what the export writes (and the check compares)
 
 

@@ -68,9 +68,9 @@ def chat_prompt(tokenizer, n_tokens: int) -> list[int]:
 def random_model(preset: str, device, dtype, quantization: str | None):
     """A random model of a PRESETS shape, built on the device and quantized layer by
     layer; the float copy's memory goes back to the driver before anything is read."""
-    from minillm.config import ModelConfig
-    from minillm.model import Transformer
-    from minillm.quant import quantize
+    from minillm.model.config import ModelConfig
+    from minillm.model.transformer import Transformer
+    from minillm.quant.int8 import quantize
     config = ModelConfig.from_hf(dict(PRESETS[preset]))
     with torch.device(device):
         net = Transformer(config).to(dtype).eval()
@@ -90,8 +90,8 @@ def article_task(model: str | Path = SEVEN_B, device=None, prompt_tokens: int = 
     `repeats`, after a warm-up) and read the GPU memory in use. Both are reported
     against the article's need."""
     from minillm.engine import LLMEngine
-    from minillm.loader import check_quantization, load_model
-    from minillm.sources import resolve_folder
+    from minillm.model.loader import check_quantization, load_model
+    from minillm.model.sources import resolve_folder
     from minillm.sampling import SamplingParams
     from minillm.tokenizer import Tokenizer
     from minillm.utils import pick_device

@@ -70,7 +70,7 @@ def check_model_arguments(args: argparse.Namespace,
     from .folders import model_folder
     model_folder(args.model)
     if args.dtype == "auto":
-        from ..dtype_auto import AUTO_BF16_SPEEDUP, cpu_bf16_speedup
+        from ..perf.dtype_auto import AUTO_BF16_SPEEDUP, cpu_bf16_speedup
         fast = device.type == "cuda" or cpu_bf16_speedup() >= AUTO_BF16_SPEEDUP
         return torch.bfloat16 if fast else torch.float32
     return getattr(torch, args.dtype)

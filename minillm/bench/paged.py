@@ -25,8 +25,8 @@ from .workloads import (Request, add_workload_arguments,
                                      next_batch, percentile, shakespeare_missing)
 from ..engine import LLMEngine
 from ..kv.blocks import check_block_size
-from ..config import ModelConfig
-from ..loader import load_model
+from ..model.config import ModelConfig
+from ..model.loader import load_model
 from ..utils import pick_device
 
 __all__ = ["PAGED_METHODS", "method_key", "paged_workload", "make_engine", "serve",

@@ -32,9 +32,9 @@ from .workloads import heldout_ids, shakespeare_missing
 from ..generate import generate
 from ..kv.contiguous import KVCache
 from ..memory import PRESETS
-from ..config import ModelConfig
-from ..loader import load_model
-from ..quant import (FbgemmLinear, bnb_missing, fbgemm_missing, perplexity,
+from ..model.config import ModelConfig
+from ..model.loader import load_model
+from ..quant.int8 import (FbgemmLinear, bnb_missing, fbgemm_missing, perplexity,
                            quantize)
 from ..utils import pick_device, synchronize
 
@@ -76,7 +76,7 @@ def layer_nbytes(module: torch.nn.Module) -> int:
 
 def swapped_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The layers quantize() swaps (every linear layer but lm_head), in any mode."""
-    kinds = (torch.nn.Linear, FbgemmLinear, minillm.quant.Int8Linear)
+    kinds = (torch.nn.Linear, FbgemmLinear, minillm.quant.int8.Int8Linear)
     return {name: m for name, m in model.named_modules()
             if (isinstance(m, kinds) or is_bnb(m))
             and name.rsplit(".", 1)[-1] != "lm_head"}
@@ -418,7 +418,7 @@ def seven_b_check(device: str | torch.device = "cuda", preset: str = "Llama-2-7B
     weights = model_nbytes(model)
     return {"preset": preset, "device": device.type, "hardware": hardware_name(device),
             "torch": torch.__version__, "quantization": "int8 (w8a16, on load)",
-            "int8_layers": sum(isinstance(m, minillm.quant.Int8Linear)
+            "int8_layers": sum(isinstance(m, minillm.quant.int8.Int8Linear)
                                for m in model.modules()),
             "weights_GB": weights / 1e9, "kv_cache_GB": cache.nbytes / 1e9,
             "peak_GB": None if peak is None else peak / 1e9,

@@ -30,8 +30,8 @@ from .workloads import (PROMPT_SOURCES, Request,
 from ..engine import LLMEngine
 from ..generate import generate_tokens
 from ..kv.contiguous import KVCache
-from ..config import ModelConfig
-from ..loader import load_model
+from ..model.config import ModelConfig
+from ..model.loader import load_model
 from ..utils import pick_device
 
 __all__ = ["METHODS", "DEFAULT_METHODS", "FAST_METHODS", "Served", "MethodRun", "run_transformers",

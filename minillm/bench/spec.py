@@ -18,7 +18,7 @@ from .folders import model_folder
 from .measure import hardware_name
 from .results import file_stem, rows_table, write_csvs
 from ..engine.llm import LLM
-from ..loader import load_model
+from ..model.loader import load_model
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 

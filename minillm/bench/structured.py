@@ -25,7 +25,7 @@ from .folders import model_folder
 from .measure import hardware_name
 from .results import file_stem, rows_table, write_csvs
 from ..engine.llm import LLM
-from ..loader import load_model
+from ..model.loader import load_model
 from ..structured.backends import BACKENDS, token_vocab, xgrammar_available
 from ..sampling import SamplingParams
 from ..structured.params import StructuredOutputsParams

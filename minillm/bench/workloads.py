@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..config import ModelConfig
+from ..model.config import ModelConfig
 
 __all__ = ["HELD_OUT", "PROMPT_SOURCES", "Request", "play_text", "heldout_ids",
            "shakespeare_missing", "make_workload", "wait_until", "next_batch",

@@ -14,7 +14,7 @@ from ..features import Registry
 from .config import register_engine_option
 from .graphs import (GraphForward, _buckets_and_spans,
                                    check_graph_settings, settings_of)
-from ..model import StepMeta
+from ..model.transformer import StepMeta
 
 _log = logging.getLogger("minillm")
 

@@ -11,8 +11,8 @@ import torch
 
 from .config import register_engine_option
 from .runner import Forward
-from ..model import StepMeta
-from ..perf import _check_ints
+from ..model.transformer import StepMeta
+from ..perf.mbu import _check_ints
 from ..utils import check_int, synchronize
 
 _log = logging.getLogger("minillm")

@@ -35,8 +35,8 @@ def check_before_loading(model, args: dict) -> None:
     if isinstance(model, torch.nn.Module):
         config = getattr(model, "config", None)  # not a Transformer: LLMEngine says
     else:
-        from minillm.config import ModelConfig
-        from minillm.sources import resolve_folder
+        from minillm.model.config import ModelConfig
+        from minillm.model.sources import resolve_folder
         config = ModelConfig.from_hf(resolve_folder(model))  # a folder, .gguf, name
     if config is not None:
         EngineConfig.create(config, **args)
@@ -53,8 +53,8 @@ def load_for_llm(model, tokenizer, dtype, device, quantization, options=None):
     or a Hub name loaded (dtype, device and quantization apply only then; an option
     in MODEL_LOADERS may load it its own way)."""
     if not isinstance(model, torch.nn.Module):  # a folder or a Hub name
-        from minillm.loader import load_model
-        from minillm.sources import resolve_folder
+        from minillm.model.loader import load_model
+        from minillm.model.sources import resolve_folder
         from minillm.tokenizer import Tokenizer
         path = resolve_folder(model)  # a folder, a .gguf file or a Hub name
         loaded = [load(path, options, dtype, device, quantization)

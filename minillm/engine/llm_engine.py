@@ -40,10 +40,10 @@ def check_extras(extras: dict) -> dict:
 def check_model_and_tokenizer(model, tokenizer) -> None:
     """What LLMEngine is given to run: a minillm Transformer, and a tokenizer (or
     None, for token ids only)."""
-    from minillm.model import Transformer
+    from minillm.model.transformer import Transformer
     if not isinstance(model, Transformer):
         raise ValueError(f"model={model!r:.60} is not a minillm Transformer: load "
-                         "one with minillm.loader.load_model(path), or give LLM a "
+                         "one with minillm.model.loader.load_model(path), or give LLM a "
                          "folder")
     methods = [callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")]
     if tokenizer is not None and not all(methods):

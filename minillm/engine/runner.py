@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model import StepMeta
+from ..model.transformer import StepMeta
 from ..sampling import _pick, _scale, make_generator, sample
 from ..sequence import Logprob, Sequence, block_early_stop
 

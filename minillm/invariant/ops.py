@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..attention import packed_groups
-from ..model import Attention
+from ..kv.attention import packed_groups
+from ..model.transformer import Attention
 
 # %% auto #0
 __all__ = ['ROWS', 'fixed_rows', 'FixedRowsLinear', 'fixed_order_attention', 'FixedOrderKV', 'FixedOrderAttention',

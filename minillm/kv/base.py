@@ -8,9 +8,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..attention import packed_attention
+from .attention import packed_attention
 from ..features import Registry
-from ..model import StepMeta
+from ..model.transformer import StepMeta
 from ..sequence import Sequence
 
 

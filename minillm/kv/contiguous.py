@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import cached_attention
-from ..model import StepMeta
+from .attention import cached_attention
+from ..model.transformer import StepMeta
 
 
 def free_memory_bytes(device: str | torch.device) -> int | None:

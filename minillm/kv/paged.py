@@ -13,7 +13,7 @@ from .base import PackedSteps, register_kv_backend
 from .blocks import BlockManager, check_block_size
 from .contiguous import (KVCache, KVMemoryError, check_kv_fits,
                                    free_memory_bytes)
-from ..model import StepMeta
+from ..model.transformer import StepMeta
 from ..sequence import Sequence
 from ..utils import check_int
 

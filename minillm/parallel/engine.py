@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
+from ..model.config import ModelConfig
 from ..engine.config import register_engine_option
 from ..engine.llm import MODEL_LOADERS
 from .shard import ShardedTransformer, head_split, load_shard
@@ -30,8 +30,8 @@ def load_parallel(path, world: int, dtype=None, device=None,
                   quantization: str | None = None) -> ShardedTransformer:
     """Rank 0's shard, with the other ranks started (each loads its own shard).
     On a CPU every rank gets an equal share of the cores, rank 0 too."""
-    from minillm.loader import check_quantization, resolve_device, resolve_dtype
-    from minillm.sources import resolve_folder
+    from minillm.model.loader import check_quantization, resolve_device, resolve_dtype
+    from minillm.model.sources import resolve_folder
     world = tensor_parallel_option(world) or 1
     check_quantization(quantization)
     device = resolve_device(device)

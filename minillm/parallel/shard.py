@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
-from ..model import Transformer
+from ..model.config import ModelConfig
+from ..model.transformer import Transformer
 
 # %% auto #0
 __all__ = ['split', 'head_split', 'local_config', 'shard_slice', 'RowParallelLinear', 'VocabParallelEmbedding',
@@ -175,8 +175,8 @@ def load_shard(path, world: int, rank: int, dtype: torch.dtype,
     one: built on the meta device, then each tensor's slice read into its place."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
-    from minillm.loader import QUANTIZATIONS, check_quantization, safetensors_files
-    from minillm.sources import resolve_folder
+    from minillm.model.loader import QUANTIZATIONS, check_quantization, safetensors_files
+    from minillm.model.sources import resolve_folder
     check_quantization(quantization)
     folder = resolve_folder(path)
     config = ModelConfig.from_hf(folder)

@@ -18,7 +18,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..model import StepMeta
+from ..model.transformer import StepMeta
 from .shard import load_shard
 
 TIMEOUT = datetime.timedelta(seconds=120)  # one collective may wait this long

@@ -18,7 +18,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..features import Registry
-from ..loader import QUANTIZATIONS
+from ..model.loader import QUANTIZATIONS
 from ..utils import pick_device
 
 CPU_CHUNK_TOKENS = 256  # a CPU's step budget: 2048 prompt tokens take seconds there

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..serve.app import CHAT_REPLIES, ChatReply, check_text
 from ..serve.async_engine import REQUEST_PREPARERS
 from ..serve.protocol import REQUEST_FIELDS, APIError
-from ..sources import announce
+from ..model.sources import announce
 from .engine import structured_output_manager
 from .params import StructuredOutputsParams
 from .tools import (TOOL_TEMPLATE, ToolCallReader, check_tools,

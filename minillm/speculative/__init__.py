@@ -3,6 +3,6 @@
 
     rejection.py   rejection_sample, sampling_probs: drafts in, the model's distribution out
     proposers.py   ngram_lookup, NgramProposer (prompt lookup), DraftModelProposer, Drafted
-    runner.py      SpeculativeRunner: propose, verify in one forward, accept, settle
+    runner.py      Speculator: propose, verify through the runner's forward, accept, settle
     engine.py      LLMEngine(..., speculative_config={...}); the KV memory of drafts
 """
