@@ -68,4 +68,5 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
-    sys.meta_path.append(_MovedModules())
+    sys.meta_path.insert(0, _MovedModules())  # before the path finder: an old
+    # path must not load a second copy of the module from the new folder

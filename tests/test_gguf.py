@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from minillm import gguf as mg
-from minillm import sources as ms
+from minillm.model import gguf as mg
+from minillm.model import sources as ms
 from minillm.model.loader import load_model
 from minillm.model.sources import resolve_folder
 from minillm.tokenizer import Tokenizer

@@ -112,7 +112,7 @@ def test_cache_follows_the_model_dtype(tmp_path):
 
 
 def test_mask_built_once_per_forward(llama):
-    from minillm import attention as kvcache
+    from minillm.kv import attention as kvcache
     _, model = llama
     cache = KVCache.from_model(model, 20)
     seen = []
@@ -391,7 +391,7 @@ def test_grouped_query_attention_never_copies_k_and_v(llama, kv_cache, monkeypat
     of a K/V head folded into its rows) and no enable_gqa, whose general kernel would
     repeat K and V per query head; the tokens stay transformers' (test_engine)."""
     from minillm.engine import LLMEngine
-    from minillm import attention as contiguous
+    from minillm.kv import attention as contiguous
     from minillm.sampling import SamplingParams
     _, model = llama
     assert model.config.num_heads > model.config.num_kv_heads  # a GQA model

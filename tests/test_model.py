@@ -440,7 +440,7 @@ def test_bf16_is_asked_of_the_given_gpu_without_emulation(monkeypatch):
     the current GPU. cuda_bf16 asks `device`, natively only."""
     import contextlib
 
-    from minillm import loader as mm
+    from minillm.model import loader as mm
     asked = []
 
     @contextlib.contextmanager

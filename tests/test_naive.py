@@ -11,7 +11,7 @@ from helpers import hf_greedy, make_model_pair
 from minillm.model.loader import load_model
 from minillm.model.naive import naive_generate
 from minillm.sampling import NonFiniteLogitsError, SamplingParams
-from minillm import timing
+from minillm.perf import timing
 from minillm.perf.timing import median_time, time_per_token
 from minillm.utils import bundled_model_path
 

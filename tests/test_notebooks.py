@@ -175,7 +175,7 @@ def test_a_shared_module_gathers_each_chapters_cells_in_chapter_order(tmp_path):
                    "#| export kv.attention\ndef g(): return f() + 1")
     for _ in range(2):  # a second export writes the same module, not a longer one
         export.export(tmp_path / "chapters", tmp_path / "lib")
-    text = (tmp_path / "lib" / "attention.py").read_text()
+    text = (tmp_path / "lib" / "kv" / "attention.py").read_text()
     assert text.count("def f") == text.count("def g") == 1
     assert text.index("def f") < text.index("def g") and "'f', 'g'" in text
     namespace: dict = {}

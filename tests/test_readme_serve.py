@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from minillm import sources as ms
+from minillm.model import sources as ms
 
 ROOT = Path(__file__).resolve().parent.parent
 

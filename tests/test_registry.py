@@ -108,9 +108,9 @@ def test_loading_a_model_imports_no_engine():
         "from minillm.utils import bundled_model_path\nload_model(bundled_model_path())\n"
         "print(sorted(m for m in sys.modules if m.startswith('minillm')))")],
         capture_output=True, text=True, check=True, cwd=PACKAGE.parent).stdout
-    assert eval(out) == ["minillm", "minillm.model.config", "minillm.features", "minillm.model.gguf",
-                         "minillm.model.loader", "minillm.model.transformer", "minillm.model.sources",
-                         "minillm.utils"]
+    assert eval(out) == ["minillm", "minillm.features", "minillm.model", "minillm.model.config",
+                         "minillm.model.gguf", "minillm.model.loader", "minillm.model.sources",
+                         "minillm.model.transformer", "minillm.utils"]
 
 
 def test_a_notebooks_own_copy_holds_only_what_it_is_given():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from minillm import sources
+from minillm.model import sources
 from minillm.model.sources import SMOLLM2, local_copy, resolve_folder
 
 pytestmark = pytest.mark.skipif(local_copy(SMOLLM2) is None,

@@ -70,7 +70,7 @@ def paged_decode(q, k_pool, v_pool, block_tables, lengths,
     """Each row's new token, q [rows, heads, d], over its first lengths[row]
     positions, read through its block table from the pools [slots, kv_heads, d]."""
     kernel()  # loaded once: from then on the operator's CPU kernel
-    return torch.ops.minillm.kernels.paged_decode(q, k_pool, v_pool, block_tables, lengths,
+    return torch.ops.minillm.paged_decode(q, k_pool, v_pool, block_tables, lengths,
                                           block_size)
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c99m-pages
@@ -92,7 +92,7 @@ class PagesInPlace:
     def attend(self, layer_idx, q, k, v, meta):
         """q, k, v [rows, heads, 1, d]: one new token per row (a decode step)."""
         self.kv.store(layer_idx, k, v, meta.slot_mapping)
-        out = torch.ops.minillm.kernels.paged_decode(  # the kernel: __init__ loaded it
+        out = torch.ops.minillm.paged_decode(  # the kernel: __init__ loaded it
             q[:, :, 0], self.kv.k[layer_idx], self.kv.v[layer_idx], meta.block_tables,
             meta.positions[:, -1] + 1, self.kv.block_size)
         return out[:, :, None]
