@@ -43,8 +43,8 @@ def check_model_and_tokenizer(model, tokenizer) -> None:
     from minillm.model.transformer import Transformer
     if not isinstance(model, Transformer):
         raise ValueError(f"model={model!r:.60} is not a minillm Transformer: load "
-                         "one with minillm.model.loader.load_model(path), or give LLM a "
-                         "folder")
+                         "one with minillm.model.loader.load_model(path), or give LLM "
+                         "a folder")
     methods = [callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")]
     if tokenizer is not None and not all(methods):
         raise ValueError(f"tokenizer={tokenizer!r:.60} lacks encode() or decode(); "

@@ -175,7 +175,8 @@ def load_shard(path, world: int, rank: int, dtype: torch.dtype,
     one: built on the meta device, then each tensor's slice read into its place."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
-    from minillm.model.loader import QUANTIZATIONS, check_quantization, safetensors_files
+    from minillm.model.loader import (QUANTIZATIONS, check_quantization,
+                                      safetensors_files)
     from minillm.model.sources import resolve_folder
     check_quantization(quantization)
     folder = resolve_folder(path)
