@@ -26,8 +26,9 @@ def test_benchmark_rows_steps_and_memory(result, folder):
     assert [r["method"] for r in result.rows] == [
         "naive loop", "KV cache (minillm)", "transformers generate()"]
     assert all(r["same_tokens"] for r in result.rows)
-    assert all(len(s) == 4 for s in result.steps.values())  # tokens 2..5
-    assert all(t > 0 for s in result.steps.values() for t in s)
+    steps = result.series("steps", "seconds")  # each token's time, per method
+    assert all(len(s) == 4 for s in steps.values())  # tokens 2..5
+    assert all(t > 0 for s in steps.values() for t in s)
     model = bench.load_model(folder, dtype=torch.float32, device="cpu")
     weights = measure.weight_nbytes(model)
     assert result.rows[0]["memory_MiB"] * 2**20 == pytest.approx(weights)  # naive: no cache

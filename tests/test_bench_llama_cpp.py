@@ -61,7 +61,7 @@ def test_without_llama_cpp_python_the_command_says_how_to_get_it(monkeypatch):
 def test_llama_cpp_runs_in_the_same_turns(cache):
     torch.manual_seed(0)
     rows = decode.run_perf_benchmark("bundled", "cpu", prompt_tokens=16, new_tokens=8,
-                                     repeats=1, llama_cpp=("F32", "Q8_0"))
+                                     repeats=1, llama_cpp=("F32", "Q8_0")).rows
     by_way = {r["way"]: r for r in rows}
     assert by_way["llama.cpp F32"]["ms_per_token"] > 0
     # float32 weights, greedy: llama.cpp writes transformers' first tokens

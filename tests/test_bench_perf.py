@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 def rows():
     return bench_perf.run_perf_benchmark("bundled", "cpu", prompt_tokens=12,
                                          new_tokens=5, batches=(1, 3), repeats=1,
-                                         compile=False)
+                                         compile=False).rows
 
 
 def test_rows_ways_tokens_and_ratios(rows):

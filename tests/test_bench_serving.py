@@ -108,14 +108,14 @@ def test_minillm_methods_make_the_same_tokens(result):
     assert result.info["same_tokens_reference"] == "minillm one by one"
     for name in ("minillm one by one", "minillm static", "minillm continuous"):
         assert result.row(name)["same_tokens"] is True
-        assert all(r["same_tokens"] for r in result.requests_of(name))
+        assert all(r["same_tokens"] for r in result.rows_of("requests", name))
 
 
 def test_per_request_records_for_a_gantt_chart(result, folder):
     drawn = {r.index: r for r in workload(folder)}
-    assert len(result.requests) == 5 * 6
+    assert len(result.tables["requests"]) == 5 * 6
     for method in bs.DEFAULT_METHODS:
-        records = result.requests_of(method)
+        records = result.rows_of("requests", method)
         assert [r["request"] for r in records] == list(range(6))
         for r in records:
             assert r["output_tokens"] == drawn[r["request"]].output_len
@@ -129,9 +129,9 @@ def test_online_requests_start_only_after_they_arrive(folder):
         folder, **{**SMALL, "rate": 40.0,
                    "methods": ("minillm-one-by-one", "minillm-continuous")})
     assert run.info["arrivals"] == "Poisson 40 req/s"
-    arrivals = [r["arrival_s"] for r in run.requests_of("minillm continuous")]
+    arrivals = [r["arrival_s"] for r in run.rows_of("requests", "minillm continuous")]
     assert arrivals[0] > 0 and arrivals == sorted(arrivals)
-    for r in run.requests:
+    for r in run.tables["requests"]:
         assert 0 < r["arrival_s"] < r["first_token_s"] <= r["finish_s"]
     assert all(row["wall_s"] >= arrivals[-1] for row in run.rows)
     assert run.row("minillm continuous")["same_tokens"] is True
@@ -382,7 +382,7 @@ def test_unchunked_computes_prompts_whole_and_makes_the_same_tokens(folder):
             long_prompts=(0.5, 30), methods=("minillm-continuous", "minillm-unchunked"))
     finally:
         mp.undo()
-    longest = max(r["prompt_tokens"] for r in res.requests)
+    longest = max(r["prompt_tokens"] for r in res.tables["requests"])
     assert longest == 30
     assert seen[-2:] == [(True, 4), (False, 30 + 3)]  # + max_num_seqs
     assert res.row("minillm-unchunked")["same_tokens"] is True

@@ -19,7 +19,7 @@ def run():
 
 
 def test_every_task_way_and_batch_has_a_row(run):
-    rows, info = run
+    rows, info = run.rows, run.info
     ways = ["plain", "ngram k=2", "draft int8 k=3"]
     assert [(r["task"], r["requests_at_once"], r["way"]) for r in rows] == [
         (t, n, w) for t in bs.TASKS for n in (1, 2) for w in ways]
@@ -27,7 +27,7 @@ def test_every_task_way_and_batch_has_a_row(run):
 
 
 def test_in_float32_speculation_changes_no_answer(run):
-    rows, _ = run
+    rows = run.rows
     assert all(r["answers_differing"] == 0 for r in rows)
     plain = [r for r in rows if r["way"] == "plain"]
     assert all(r["vs_plain"] == 1 and r["acceptance"] is None for r in plain)
@@ -36,8 +36,9 @@ def test_in_float32_speculation_changes_no_answer(run):
 
 
 def test_the_csv_names_the_hardware(run, tmp_path):
-    rows, info = run
-    path = bs.write_csvs(tmp_path, {"spec_x": bs.rows_table(rows, info)})[0]
+    rows = run.rows
+    path, = run.write(tmp_path)
+    assert path.name == "spec_bundled_cpu.csv"
     table = list(csv.DictReader(path.open()))
     assert len(table) == len(rows) and table[0]["hardware"] and table[0]["torch"]
 

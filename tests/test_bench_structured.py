@@ -23,7 +23,7 @@ def run():
 
 
 def test_every_part_has_its_rows(run):
-    rows, info = run
+    rows, info = run.rows, run.info
     parse = [(r["task"], r["sampling"], r["way"]) for r in rows if r["part"] == "parse"]
     assert parse == [(t, s, w) for t in bst.TASKS for s in ("greedy", "T=0.8 x2")
                      for w in WAYS]
@@ -36,7 +36,7 @@ def test_every_part_has_its_rows(run):
 
 
 def test_constrained_answers_that_end_parse_and_free_ones_cost_no_mask(run):
-    rows, _ = run
+    rows = run.rows
     for r in rows:
         if r["part"] == "parse" and r["way"] != "free":
             assert r["parse_rate"] == r["ended_on_their_own"]  # ended: parses
@@ -58,13 +58,14 @@ def test_parses_and_the_table(run):
     assert not bst.parses('{"street": "a"}', bst.TASKS["address"][1])
     assert not bst.parses("Sure! {", bst.TASKS["invoice"][1])
     assert bst.parses(" Neutral\n", None) and not bst.parses("meh", None)
-    table = bst.format_table(run[0])
+    table = bst.format_table(run.rows)
     assert "mask share" in table and "compile ms" in table and "minillm cold" in table
 
 
 def test_the_csv_names_the_hardware(run, tmp_path):
-    rows, info = run
-    path = bst.write_csvs(tmp_path, {"structured_x": bst.rows_table(rows, info)})[0]
+    rows = run.rows
+    path, = run.write(tmp_path)
+    assert path.name == "structured_bundled_cpu.csv"
     table = list(csv.DictReader(path.open()))
     assert len(table) == len(rows) and table[0]["hardware"] and table[0]["torch"]
     assert {t["part"] for t in table} == {"parse", "cost", "compile"}
@@ -88,9 +89,9 @@ def test_bad_arguments_stop_before_any_work(argv, message, capsys, monkeypatch):
 def test_the_command_runs_through_dispatch(capsys, monkeypatch, tmp_path):
     """`python -m minillm.bench structured ...`: the table printed, the CSV named."""
     from minillm.bench.cli import dispatch
-    monkeypatch.setattr(bst, "run_structured_benchmark", lambda *a, **k: (
+    monkeypatch.setattr(bst, "run_structured_benchmark", lambda *a, **k: bst.Result(
         [{"part": "compile", "task": "label", "way": "minillm", "compile_ms": 1.0}],
-        {"model": "bundled"}))
+        {"model": "bundled", "device": "cpu"}, kind="structured", key="way"))
     assert dispatch(["structured", "--model", "bundled", "--dtype", "float32",
                      "--threads", "1", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

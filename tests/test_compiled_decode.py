@@ -161,7 +161,7 @@ def test_llm_takes_compile_decode(llama):
 def test_bench_decode_compile_adds_a_compiled_twin_of_each_engine_way(folder):
     from minillm.bench.decode import COMPILED, run_perf_benchmark
     rows = run_perf_benchmark(str(folder), "cpu", prompt_tokens=8, new_tokens=6,
-                              repeats=1, compile=True, fast=("int8",))
+                              repeats=1, compile=True, fast=("int8",)).rows
     by = {r["way"]: r for r in rows if r["batch"] == 1}
     twins = {"engine (ch. 4, 6)": COMPILED,
              "engine, bfloat16 (ch. 5)": "engine, bfloat16, compiled (ch. 7)",

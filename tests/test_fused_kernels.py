@@ -210,7 +210,7 @@ def test_the_decode_benchmark_runs_the_fast_modes_in_turns():
     with pytest.raises(ValueError, match="fast="):
         run_perf_benchmark("bundled", "cpu", fast=("int3",))
     rows = run_perf_benchmark("bundled", "cpu", prompt_tokens=8, new_tokens=4,
-                              repeats=1, fast=("int8", "int4"))
+                              repeats=1, fast=("int8", "int4")).rows
     ways = [r["way"] for r in rows]
     assert "engine, bfloat16 (ch. 5)" in ways
     assert "engine, int4 + int8 head, bfloat16 (ch. 5)" in ways

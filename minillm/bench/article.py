@@ -12,7 +12,7 @@ import torch
 
 from .cli import (BENCHMARKS, add_run_arguments, check_run_arguments,
                                command)
-from .measure import hardware_name, random_prompt
+from .measure import hardware_name, in_turns, random_prompt
 from .results import file_stem, rows_table, write_csvs
 from ..memory import PRESETS, parameter_count
 
@@ -117,12 +117,14 @@ def article_task(model: str | Path = SEVEN_B, device=None, prompt_tokens: int = 
                        kv_cache="paged")
     prompt = chat_prompt(tok, prompt_tokens)
     first = SamplingParams(temperature=0, max_tokens=1)
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
+
+    def first_token() -> float:
         rid = engine.add_request(prompt, first)
         while engine.has_unfinished():
             engine.step()  # returns once the token is on the CPU: synchronized
-        times.append(engine.pop(rid).ttft)
+        return engine.pop(rid).ttft
+
+    times = in_turns({"ttft": first_token}, repeats, warm_up={"ttft": first_token})
     answer = ""
     if tok is not None:
         rid = engine.add_request(prompt, SamplingParams(temperature=0,
@@ -131,7 +133,7 @@ def article_task(model: str | Path = SEVEN_B, device=None, prompt_tokens: int = 
             engine.step()
         answer = engine.pop(rid).text
     used = gpu_memory_used(device)
-    ttft = statistics.median(times[1:])
+    ttft = statistics.median(times["ttft"])
     weights = sum(t.nbytes for t in [*net.parameters(), *net.buffers()])
     return {"model": str(model), "device": device.type,
             "hardware": hardware_name(device), "torch": torch.__version__,

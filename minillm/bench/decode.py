@@ -16,9 +16,9 @@ import torch
 
 from .cli import (BENCHMARKS, add_run_arguments, check_run_arguments,
                                command)
-from .measure import (FAST_MODES, fast_copy, greedy, hardware_name, measure,
+from .measure import (FAST_MODES, fast_copy, greedy, hardware_name, in_turns, measure,
                       minillm_methods, random_prompt, transformers_method)
-from .results import file_stem, rows_table, write_csvs
+from .results import Result
 from ..engine import LLMEngine
 from ..engine.graphs import compile_parts
 from ..kernels.paged_decode import HEAD_DIMS
@@ -35,7 +35,7 @@ __all__ = ["COMPILED", "DTYPES", "LLAMA_CPP_KINDS", "llama_cpp_missing", "gguf_c
            "step_launches", "add_launches", "loop_run", "round_robin",
            "agreement", "MAX_BATCH",
            "LAUNCHES", "check_perf_args", "run_perf_benchmark", "score",
-           "COLUMNS", "format_table", "write_csv", "decode_parser",
+           "COLUMNS", "format_table", "decode_parser",
            "check_decode_args", "run_decode_command", "main"]
 
 
@@ -227,10 +227,7 @@ def round_robin(ways: dict, repeats: int) -> list[dict]:
     """Run every way once per round, `repeats` + 1 rounds (the first warms up, records
     graphs, compiles): a slow drift of the machine hits every way alike. One row per
     way with the medians; first_run_s is the first round's time."""
-    runs = {name: [] for name in ways}
-    for _ in range(repeats + 1):
-        for name, run in ways.items():
-            runs[name].append(run())
+    runs = in_turns(ways, repeats + 1)
     rows = []
     for name, (first, *timed) in runs.items():
         row = {"way": name, "ids": timed[0]["ids"]}
@@ -280,7 +277,7 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
                        prompt_tokens: int = 128, new_tokens: int = 64,
                        batches: tuple = (1,), repeats: int = 3,
                        compile: bool = False, fast: tuple = (),
-                       llama_cpp: tuple = ()) -> list[dict]:
+                       llama_cpp: tuple = ()) -> Result:
     """Decode at batch 1 (transformers, chapter 3's loop, the engine eager, with graphs,
     with torch.compile) and the engine at each batch size: one row per way and batch.
     fast: modes of FAST_MODES to run too (with a bfloat16 row), in turns, each in
@@ -386,9 +383,9 @@ def run_perf_benchmark(model: str = "bundled", device=None, dtype: str | None = 
 
 
 def score(rows, model, device, dtype, name, prompt_tokens, n, repeats,
-          held: dict | None = None) -> list[dict]:
+          held: dict | None = None) -> Result:
     """Add the ratios, the MBU and where and how it was measured to every row (held:
-    way -> the model it ran, where not `model`)."""
+    way -> the model it ran, where not `model`): the result."""
     import transformers
     cuda = device.type == "cuda"
     gpu = peak_for(torch.cuda.get_device_name(device)) if cuda else None
@@ -415,8 +412,9 @@ def score(rows, model, device, dtype, name, prompt_tokens, n, repeats,
             r["MBU"] = mbu(step_bytes, r["ms_per_token"] / 1e3, peak)
             r["same_tokens_as_transformers"] = agreement(r["ids"], reference_ids)
         r.pop("ids", None)
-        r.update(info)
-    return rows
+        r.update(info)  # every row says where it ran, also read back from its CSV
+    return Result(rows, info, kind="decode", key="way", digits=None, work=(
+        f"{prompt_tokens}-token prompt + {n} new tokens, median of {repeats}"))
 
 
 COLUMNS = [("way", "way", "{}"), ("batch", "batch", "{:.0f}"),
@@ -448,12 +446,6 @@ def format_table(rows: list[dict]) -> str:
         "same ids: how many tokens equal transformers' tokens",
         *["kernels: CUDA kernels one decode step launches"] * (LAUNCHES in columns),
         *lines])
-
-
-def write_csv(rows: list[dict], folder) -> list[Path]:
-    """<folder>/decode_<model>_<device>.csv: one row per way and batch size."""
-    stem = file_stem("decode", rows[0]["model"], rows[0]["device"])
-    return write_csvs(folder, {stem: rows_table(rows, digits=None)})
 
 
 def decode_parser() -> argparse.ArgumentParser:
@@ -495,11 +487,10 @@ def check_decode_args(args: argparse.Namespace) -> torch.device:
 
 
 def run_decode_command(args: argparse.Namespace, device) -> tuple:
-    rows = run_perf_benchmark(args.model, device, args.dtype, args.prompt_tokens,
-                              args.new_tokens, tuple(args.batch), args.repeats,
-                              args.compile, tuple(args.fast),
-                              tuple(args.llama_cpp))
-    return format_table(rows), lambda out: write_csv(rows, out)
+    result = run_perf_benchmark(args.model, device, args.dtype, args.prompt_tokens,
+                                args.new_tokens, tuple(args.batch), args.repeats,
+                                args.compile, tuple(args.fast), tuple(args.llama_cpp))
+    return format_table(result.rows), result.write  # decode_<model>_<device>.csv
 
 
 main = command(decode_parser, check_decode_args, run_decode_command)

@@ -5,55 +5,31 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .cli import (BENCHMARKS, add_run_arguments, check_run_arguments,
-                               command)
+from .cli import BENCHMARKS, add_run_arguments, check_run_arguments, command
 from .folders import MODELS, model_folder, model_label
-from .measure import (Measurement, check_counts, check_fits,
-                                   hardware_name, measure, memory_kind,
-                                   minillm_methods, random_prompt,
-                                   transformers_method)
-from .results import file_stem, rows_table, write_csvs
+from .measure import (Measurement, check_counts, check_fits, hardware_name, in_turns,
+                      measure, memory_kind, minillm_methods, random_prompt,
+                      transformers_method)
+from .results import Result
 from ..model.config import ModelConfig
 from ..model.loader import load_model
 from ..utils import pick_device
 
-__all__ = ["KVBenchmark", "run_kv_benchmark", "summarise", "format_table", "write_csv",
+__all__ = ["run_kv_benchmark", "summarise", "format_table", "write_csv",
            "kv_parser", "check_kv_args", "run_kv_command", "main"]
-
-
-@dataclass
-class KVBenchmark:
-    """The result of `run_kv_benchmark`: one summary row per method, per-token times."""
-    rows: list[dict]
-    steps: dict[str, list[float]]  # method -> median seconds of tokens 2, 3, ...
-    info: dict = field(default_factory=dict)
-
-    def ratio(self, slow: str, fast: str, column: str = "per_token_ms") -> float:
-        """How many times `fast` beats `slow` in `column` (higher: `fast` is better)."""
-        by_name = {r["method"]: r for r in self.rows}
-        return by_name[slow][column] / by_name[fast][column]
-
-    def describe(self, short: bool = False) -> str:
-        """Where and how this was measured: the work, then the machine on a line of its own."""
-        i = self.info
-        work = f"{i['prompt_tokens']}-token prompt + {i['new_tokens']} new tokens"
-        if short:
-            return f"{i['model']}, {i['device']}, {work}"
-        return (f"{i['model']} ({i['params_M']}M parameters, {i['dtype']}), {work}, "
-                f"median of {i['repeats']}\nmeasured on {i['hardware']}, torch {i['torch']}")
 
 
 def run_kv_benchmark(model_path, new_tokens: int = 100, prompt_tokens: int = 256,
                      repeats: int = 3, device: str | torch.device | None = None,
                      dtype: torch.dtype | None = None,
                      methods: tuple[str, ...] = ("naive", "cache", "transformers"),
-                     progress: bool = True) -> KVBenchmark:
+                     progress: bool = True) -> Result:
     """The source article's table on this machine: naive vs KV cache vs transformers.
 
     Greedy, exactly `new_tokens` tokens, from a random prompt of `prompt_tokens` tokens.
@@ -77,19 +53,19 @@ def run_kv_benchmark(model_path, new_tokens: int = 100, prompt_tokens: int = 256
         hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         hf = hf.to(device).eval()
         runs.append(transformers_method(hf))
-    results: dict[str, list[Measurement]] = {m.name: [] for m in runs}
-    for m in runs:  # warm-up: first calls pay for lazy initialisation and caches
-        measure(m, prompt, min(new_tokens, 4), device)
-    for _ in tqdm(range(repeats), desc=f"kv benchmark x{len(runs)} methods",
-                  disable=not progress):
-        for m in runs:
-            results[m.name].append(measure(m, prompt, new_tokens, device))
+    with tqdm(total=repeats * len(runs), desc=f"kv benchmark x{len(runs)} methods",
+              disable=not progress) as bar:
+        results = in_turns(
+            {m.name: partial(measure, m, prompt, new_tokens, device) for m in runs},
+            repeats, after=lambda *_: bar.update(1),
+            warm_up={m.name: partial(measure, m, prompt, min(new_tokens, 4), device)
+                     for m in runs})
     return summarise(results, model, model_path, device, dtype, len(prompt), new_tokens,
                      repeats)
 
 
 def summarise(results: dict[str, list[Measurement]], model, model_path, device, dtype,
-              prompt_tokens: int, new_tokens: int, repeats: int) -> KVBenchmark:
+              prompt_tokens: int, new_tokens: int, repeats: int) -> Result:
     """Medians per method, and the facts a result file needs to explain itself."""
     baseline = next(iter(results.values()))[0].tokens
     c = model.config
@@ -102,7 +78,7 @@ def summarise(results: dict[str, list[Measurement]], model, model_path, device, 
             "params_M": round(sum(params.values()) / 1e6, 1),
             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
             "repeats": repeats, "memory_kind": memory_kind(device)}
-    rows, steps = [], {}
+    rows, steps = [], []
     for name, ms in results.items():
         rows.append({"method": name,
                      "total_s": statistics.median(m.total_s for m in ms),
@@ -111,13 +87,15 @@ def summarise(results: dict[str, list[Measurement]], model, model_path, device, 
                      "memory_MiB": max(m.memory_bytes for m in ms) / 2**20,
                      "same_tokens": ms[0].tokens == baseline})
         per_token = zip(*(m.step_s for m in ms))  # token by token, over the repeats
-        steps[name] = [statistics.median(times) for times in per_token]
+        steps += [{"method": name, "token": t + 2, "seconds": statistics.median(times)}
+                  for t, times in enumerate(per_token)]
     for r in rows:
         r["speedup_vs_first"] = rows[0]["per_token_ms"] / r["per_token_ms"]
-    return KVBenchmark(rows, steps, info)
+    return Result(rows, info, {"steps": steps}, kind="kv", work=(
+        f"{prompt_tokens}-token prompt + {new_tokens} new tokens, median of {repeats}"))
 
 
-def format_table(result: KVBenchmark) -> str:
+def format_table(result: Result) -> str:
     """The summary as aligned text, the way the source article printed it."""
     head = (f"{'method':<26}{'total s':>9}{'TTFT s':>9}{'ms/token':>10}"
             f"{'memory MiB':>12}{'speed-up':>10}{'same ids':>10}")
@@ -131,13 +109,9 @@ def format_table(result: KVBenchmark) -> str:
     return "\n".join(lines)
 
 
-def write_csv(result: KVBenchmark, folder: str | Path) -> list[Path]:
+def write_csv(result: Result, folder: str | Path) -> list[Path]:
     """<stem>.csv (summary, hardware) and <stem>_steps.csv (each token's time)."""
-    stem = file_stem("kv", result.info["model"], result.info["device"])
-    steps = [{"method": name, "token": t + 2, "seconds": s}
-             for name, times in result.steps.items() for t, s in enumerate(times)]
-    return write_csvs(folder, {stem: rows_table(result.rows, result.info),
-                               f"{stem}_steps": rows_table(steps, digits=7)})
+    return result.write(folder)
 
 
 def kv_parser() -> argparse.ArgumentParser:

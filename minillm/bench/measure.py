@@ -25,7 +25,7 @@ from ..utils import synchronize
 __all__ = ["hardware_name", "StepClock", "Method", "greedy", "minillm_methods",
            "FastMode", "FAST_MODES", "fast_copy",
            "transformers_method", "weight_nbytes", "Measurement", "memory_kind",
-           "measure", "random_prompt", "check_counts", "check_fits"]
+           "measure", "in_turns", "random_prompt", "check_counts", "check_fits"]
 
 
 def hardware_name(device: str | torch.device) -> str:
@@ -210,6 +210,25 @@ def measure(method: Method, prompt: list[int], n: int,
     steps = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
     total, ttft = clock.stop - clock.start, clock.ends[0] - clock.start
     return Measurement(method.name, total, ttft, steps, memory, tokens)
+
+
+def in_turns(ways: dict[str, Callable[[], object]], rounds: int,
+             warm_up: dict[str, Callable[[], object]] | None = None,
+             after: Callable[[str, int, object], None] | None = None
+             ) -> dict[str, list]:
+    """Every way once per round, for `rounds` rounds: a busy moment or a slow drift of
+    the machine hits every way alike. `warm_up[name]()` runs first, once per way (first
+    calls pay for lazy initialisation, caches, compiling); `after(name, round, result)`
+    is told of each run (progress). Returns each way's results, round by round."""
+    for run in (warm_up or {}).values():
+        run()
+    runs: dict[str, list] = {name: [] for name in ways}
+    for r in range(rounds):
+        for name, run in ways.items():
+            runs[name].append(run())
+            if after is not None:
+                after(name, r, runs[name][-1])
+    return runs
 
 
 def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:

@@ -8,7 +8,7 @@ import argparse
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,8 +18,8 @@ import minillm
 from .cli import (BENCHMARKS, add_run_arguments, check_run_arguments,
                                command)
 from .folders import MODELS, model_folder, model_label
-from .measure import greedy, hardware_name, random_prompt
-from .results import file_stem, write_result
+from .measure import greedy, hardware_name, in_turns, random_prompt
+from .results import Result
 from .workloads import (Request, add_workload_arguments,
                                      check_workload, is_int, make_workload,
                                      next_batch, percentile, shakespeare_missing)
@@ -30,8 +30,8 @@ from ..model.loader import load_model
 from ..utils import pick_device
 
 __all__ = ["PAGED_METHODS", "method_key", "paged_workload", "make_engine", "serve",
-           "PagedBenchmark", "used_share", "summarise_engine", "check_paged_args",
-           "run_paged_benchmark", "paged_info", "format_paged_table", "paged_csv_stem",
+           "used_share", "summarise_engine", "check_paged_args",
+           "run_paged_benchmark", "paged_info", "format_paged_table",
            "write_paged_csv", "paged_parser", "check_cli_args", "run_paged_command",
            "main"]
 
@@ -95,41 +95,6 @@ def serve(engine: LLMEngine, requests: list[Request], bar=None
                 bar.update(1)
     wall = time.perf_counter() - t0
     return wall, [engine.pop(str(r.index)) for r in requests]
-
-
-@dataclass
-class PagedBenchmark:
-    """The result of `run_paged_benchmark`: one row per engine."""
-    rows: list[dict]
-    info: dict = field(default_factory=dict)
-
-    def row(self, method: str) -> dict:
-        """A row, by name ('paged + prefix cache') or key ('paged-prefix')."""
-        name = PAGED_METHODS.get(method, method)
-        for r in self.rows:
-            if r["method"] == name:
-                return r
-        raise KeyError(f"no method {method!r}; measured: "
-                       f"{[r['method'] for r in self.rows]}")
-
-    def ratio(self, slow: str, fast: str, column: str = "output_tok_s") -> float:
-        """How many times `fast` beats `slow` in `column` (a rate: higher is better)."""
-        return self.row(fast)[column] / self.row(slow)[column]
-
-    def describe(self, short: bool = False) -> str:
-        """Where and how this was measured: the work, then the machine on a line of its own."""
-        i = self.info
-        prefix = (f" + a shared {i['shared_prefix']}-token prefix"
-                  if i["shared_prefix"] else "")
-        work = (f"{i['num_requests']} requests ({i['arrivals']}), prompts "
-                f"{i['prompt_tokens']}"
-                f"{prefix}, outputs {i['output_tokens']} tokens "
-                f"({i['mean_tokens']:.0f} on average), {i['kv_positions']} KV "
-                f"positions")
-        if short:
-            return f"{i['model']}, {i['device']}, {work}"
-        return (f"{i['model']} ({i['params_M']}M parameters, {i['dtype']}),\n{work}\n"
-                f"measured on {i['hardware']}, torch {i['torch']}")
 
 
 def used_share(history) -> float:
@@ -212,7 +177,7 @@ def run_paged_benchmark(model_path, num_requests: int = 48, kv_positions: int = 
                         shared_prefix: int = 0, seed: int = 0,
                         device: str | torch.device | None = None,
                         max_num_seqs: int | None = None, rate: float | None = None,
-                        progress: bool = True) -> PagedBenchmark:
+                        progress: bool = True) -> Result:
     """Serve one workload with each engine on the same KV memory; see the appendix
     of Chapter 6. methods: names or keys of PAGED_METHODS. max_num_seqs: the paged
     engines' cap on running requests (None: num_requests). rate: None (offline) or
@@ -230,26 +195,34 @@ def run_paged_benchmark(model_path, num_requests: int = 48, kv_positions: int = 
     model = load_model(model_path, dtype=dtype, device=device)
     warm = [Request(i, r.prompt_ids, min(r.output_len, 4), 0.0)
             for i, r in enumerate(requests[:2])]
+    def run(key: str, work: list[Request], shown: bool = False):
+        engine = make_engine(model, key, kv_positions, max_model_len, block_size, cap)
+        with tqdm(total=len(work), desc=PAGED_METHODS[key], unit="req",
+                  disable=not (progress and shown)) as bar:
+            return (engine, *serve(engine, work, bar))
+
+    with torch.inference_mode():  # one round: each engine serves the workload once
+        runs = in_turns({k: partial(run, k, requests, True) for k in keys}, 1,
+                        warm_up={k: partial(run, k, warm) for k in keys})
     rows, reference = [], None
-    with torch.inference_mode():
-        for key in keys:
-            name = PAGED_METHODS[key]
-            args = (model, key, kv_positions, max_model_len, block_size, cap)
-            serve(make_engine(*args), warm)  # lazy initialisation, caches
-            engine = make_engine(*args)
-            with tqdm(total=num_requests, desc=name, unit="req",
-                      disable=not progress) as bar:
-                wall, seqs = serve(engine, requests, bar)
-            rows.append(summarise_engine(name, engine, wall, seqs, reference))
-            if reference is None:
-                reference = [s.output_ids for s in seqs]
-                rows[0]["same_tokens"] = True
+    for key, [(engine, wall, seqs)] in runs.items():
+        rows.append(summarise_engine(PAGED_METHODS[key], engine, wall, seqs, reference))
+        if reference is None:
+            reference = [s.output_ids for s in seqs]
+            rows[0]["same_tokens"] = True
     for r in rows:
         r["speedup_vs_first"] = r["output_tok_s"] / rows[0]["output_tok_s"]
     info = paged_info(model, model_path, device, dtype, requests, source, seed,
                       prompt_tokens, output_tokens, shared_prefix, kv_positions,
                       max_model_len, block_size, PAGED_METHODS[keys[0]], rate)
-    return PagedBenchmark(rows, info)
+    prefix = f" + a shared {shared_prefix}-token prefix" if shared_prefix else ""
+    work = (f"{info['num_requests']} requests ({info['arrivals']}), prompts "
+            f"{info['prompt_tokens']}{prefix}, outputs {info['output_tokens']} tokens "
+            f"({info['mean_tokens']:.0f} on average), {kv_positions} KV positions")
+    return Result(rows, info, kind="paged", stem_extra=tuple(
+        ([f"prefix{shared_prefix}"] if shared_prefix else [])
+        + ([f"rate{rate:g}"] if rate is not None else [])),
+        names=PAGED_METHODS, score="output_tok_s", lower_is_better=False, work=work)
 
 
 def paged_info(model, model_path, device, dtype, requests, source, seed,
@@ -275,7 +248,7 @@ def paged_info(model, model_path, device, dtype, requests, source, seed,
             "block_size": block_size, "same_tokens_reference": reference_method}
 
 
-def format_paged_table(result: PagedBenchmark) -> str:
+def format_paged_table(result: Result) -> str:
     """The rows as aligned text: speed, latency, concurrency, memory."""
     head = (f"{'method':<22}{'tok/s':>8}{'TTFT p50/p99 s':>16}{'e2e p50 s':>10}"
             f"{'running':>8}{'used':>7}{'preempt':>8}{'hits':>6}{'speed-up':>9}"
@@ -295,17 +268,10 @@ def format_paged_table(result: PagedBenchmark) -> str:
     return "\n".join(lines)
 
 
-def paged_csv_stem(result: PagedBenchmark) -> str:
-    """paged_<model>_<device>[_prefix<N>][_rate<R>]."""
-    prefix, rate = result.info["shared_prefix"], result.info["rate"]
-    tail = ([f"prefix{prefix}"] if prefix else []) + (
-        [f"rate{rate:g}"] if rate is not None else [])
-    return file_stem("paged", result.info["model"], result.info["device"], *tail)
-
-
-def write_paged_csv(result: PagedBenchmark, folder: str | Path) -> list[Path]:
-    """<folder>/<paged_csv_stem>.csv: one row per engine, with `info`."""
-    return write_result(folder, paged_csv_stem(result), result)
+def write_paged_csv(result: Result, folder: str | Path) -> list[Path]:
+    """<folder>/paged_<model>_<device>[_prefix<N>][_rate<R>].csv: one row per
+    engine, with `info`."""
+    return result.write(folder)
 
 
 def paged_parser() -> argparse.ArgumentParser:

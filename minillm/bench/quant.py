@@ -14,7 +14,7 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,9 +25,9 @@ from .cli import (BENCHMARKS, add_run_arguments, check_run_arguments,
                                command)
 from .folders import (MODELS, cached_build, model_folder, model_label,
                                    random_model_folder, source_hash)
-from .measure import (Method, check_counts, check_fits, greedy,
-                                   hardware_name, measure, random_prompt)
-from .results import file_stem, rows_table, write_csvs, write_result
+from .measure import (Method, check_counts, check_fits, greedy, hardware_name,
+                      in_turns, measure, random_prompt)
+from .results import Result, file_stem, rows_table, write_csvs
 from .workloads import heldout_ids, shakespeare_missing
 from ..generate import generate
 from ..kv.contiguous import KVCache
@@ -40,10 +40,10 @@ from ..utils import pick_device, synchronize
 
 __all__ = ["QUANT_MODES", "mode_missing", "is_bnb", "layer_nbytes", "swapped_layers",
            "linear_nbytes", "float16_nbytes", "model_nbytes", "quiet",
-           "QuantBenchmark", "check_quant_args", "load_modes", "quality",
+           "check_quant_args", "load_modes", "quality",
            "run_quant_benchmark", "timed", "summarise_mode", "size_first",
            "quant_info", "SEVEN_B_TARGETS", "hf_names", "sharded_random_folder",
-           "seven_b_check", "format_quant_table", "quant_csv_stem", "write_quant_csv",
+           "seven_b_check", "format_quant_table", "write_quant_csv",
            "quant_parser", "quant_model_folder", "check_cli_args", "run_quant_command",
            "main"]
 
@@ -123,32 +123,6 @@ def quiet():
         logger.setLevel(level)
 
 
-@dataclass
-class QuantBenchmark:
-    """The result of `run_quant_benchmark`: one row per mode."""
-    rows: list[dict]
-    info: dict = field(default_factory=dict)
-
-    def row(self, mode: str) -> dict:
-        for r in self.rows:
-            if r["mode"] == mode:
-                return r
-        raise KeyError(f"no mode {mode!r}; measured: {[r['mode'] for r in self.rows]}")
-
-    def ratio(self, slow: str, fast: str) -> float:
-        """How many times `fast` beats `slow` in time per token (above 1: faster)."""
-        return self.row(slow)["per_token_ms"] / self.row(fast)["per_token_ms"]
-
-    def describe(self, short: bool = False) -> str:
-        """Where and how this was measured: the work, then the machine on a line of its own."""
-        i = self.info
-        work = f"{i['prompt_tokens']}-token prompt + {i['new_tokens']} new tokens"
-        if short:
-            return f"{i['model']}, {i['device']}, {work}"
-        return (f"{i['model']} ({i['params_M']}M parameters), {work}, median of "
-                f"{i['repeats']}\nmeasured on {i['hardware']}, torch {i['torch']}")
-
-
 def check_quant_args(model_path, modes, new_tokens, prompt_tokens, repeats, device
                      ) -> tuple[ModelConfig, tuple[str, ...], torch.device, dict]:
     """Every argument, checked before any work.
@@ -206,7 +180,7 @@ def quality(model, ids: torch.Tensor, ref_next: torch.Tensor,
 def run_quant_benchmark(model_path, modes: tuple[str, ...] = QUANT_MODES,
                         new_tokens: int = 32, prompt_tokens: int = 64,
                         repeats: int = 3, device: str | torch.device | None = None,
-                        progress: bool = True) -> QuantBenchmark:
+                        progress: bool = True) -> Result:
     """Bytes, speed, peak memory and quality of each mode; see the appendix of
     Chapter 5. The full list of modes (the default) skips those that cannot run here
     and names them in info["skipped"]; a shorter list must run whole."""
@@ -227,19 +201,18 @@ def run_quant_benchmark(model_path, modes: tuple[str, ...] = QUANT_MODES,
         with torch.no_grad():
             ref_next = reference(ids, torch.arange(n_agree, device=device)[None])
             ref_next = ref_next.argmax(-1)
-        rows, times = {}, {m: [] for m in modes}
+        rows = {}
         for mode, model in models.items():
             bar.set_description(f"quality {mode}")
             agree, ppl = quality(model, ids, ref_next, text_ids, window)
             rows[mode] = {"mode": mode, "agreement": agree, "perplexity": ppl}
-            measure(timed(mode, model), prompt, min(new_tokens, 4), device)  # warm-up
             bar.update(1)
-        for _ in range(repeats):
-            for mode, model in models.items():
-                bar.set_description(f"timing {mode}")
-                times[mode].append(measure(timed(mode, model), prompt, new_tokens,
-                                           device))
-                bar.update(1)
+        bar.set_description("timing, the modes in turns")
+        times = in_turns(
+            {m: partial(measure, timed(m, x), prompt, new_tokens, device)
+             for m, x in models.items()}, repeats, after=lambda *_: bar.update(1),
+            warm_up={m: partial(measure, timed(m, x), prompt, min(new_tokens, 4),
+                                device) for m, x in models.items()})
     fp16 = float16_nbytes(reference)
     for mode, model in models.items():
         rows[mode].update(summarise_mode(model, times[mode], fp16, device))
@@ -251,7 +224,8 @@ def run_quant_benchmark(model_path, modes: tuple[str, ...] = QUANT_MODES,
         r["same_tokens"] = times[r["mode"]][0].tokens == times[base["mode"]][0].tokens
     info = quant_info(reference, model_path, device, prompt_tokens, new_tokens,
                       repeats, skipped, has_text, len(text_ids or ()), n_agree)
-    return QuantBenchmark(result, info)
+    return Result(result, info, kind="quant", key="mode", work=(
+        f"{prompt_tokens}-token prompt + {new_tokens} new tokens, median of {repeats}"))
 
 
 def timed(mode: str, model) -> Method:
@@ -407,13 +381,14 @@ def seven_b_check(device: str | torch.device = "cuda", preset: str = "Llama-2-7B
                            quantization="int8")
     cache = KVCache.from_model(model, kv_tokens)
     prompt = random_prompt(model.config.vocab_size, prompt_tokens)
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
+    def first_token() -> float:
         synchronize(device)
         start = time.perf_counter()
         generate(model, prompt, greedy(1), cache=cache)  # returns ints: synced
-        times.append(time.perf_counter() - start)
-    ttft = statistics.median(times[1:])
+        return time.perf_counter() - start
+
+    ttft = statistics.median(in_turns({"ttft": first_token}, repeats,
+                                      warm_up={"ttft": first_token})["ttft"])
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     weights = model_nbytes(model)
     return {"preset": preset, "device": device.type, "hardware": hardware_name(device),
@@ -428,7 +403,7 @@ def seven_b_check(device: str | torch.device = "cuda", preset: str = "Llama-2-7B
             "ttft_ok": ttft <= SEVEN_B_TARGETS["ttft_s"], "folder": str(folder)}
 
 
-def format_quant_table(result: QuantBenchmark) -> str:
+def format_quant_table(result: Result) -> str:
     """The rows as aligned text: bytes, then speed, then quality."""
     head = (f"{'mode':<10}{'linear MiB':>11}{'x fp16':>8}{'model MiB':>10}"
             f"{'TTFT ms':>9}{'ms/token':>10}{'speed-up':>9}{'peak MiB':>10}"
@@ -451,14 +426,9 @@ def format_quant_table(result: QuantBenchmark) -> str:
     return "\n".join(lines)
 
 
-def quant_csv_stem(result: QuantBenchmark) -> str:
-    """quant_<model>_<device>."""
-    return file_stem("quant", result.info["model"], result.info["device"])
-
-
-def write_quant_csv(result: QuantBenchmark, folder: str | Path) -> list[Path]:
+def write_quant_csv(result: Result, folder: str | Path) -> list[Path]:
     """<folder>/quant_<model>_<device>.csv: one row per mode, with `info`."""
-    return write_result(folder, quant_csv_stem(result), result)
+    return result.write(folder)
 
 
 def quant_parser() -> argparse.ArgumentParser:

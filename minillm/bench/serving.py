@@ -11,7 +11,8 @@ import sys
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,8 +22,8 @@ import minillm
 from .cli import (BENCHMARKS, add_run_arguments, check_run_arguments,
                                command)
 from .folders import MODELS, model_folder, model_label
-from .measure import StepClock, fast_copy, greedy, hardware_name
-from .results import file_stem, rows_table, write_csvs
+from .measure import StepClock, fast_copy, greedy, hardware_name, in_turns
+from .results import Result
 from .workloads import (PROMPT_SOURCES, Request,
                                      add_workload_arguments, check_workload, is_int,
                                      make_workload, next_batch, percentile,
@@ -35,9 +36,9 @@ from ..model.loader import load_model
 from ..utils import pick_device
 
 __all__ = ["METHODS", "DEFAULT_METHODS", "FAST_METHODS", "Served", "MethodRun", "run_transformers",
-           "run_one_by_one", "run_engine", "ServingBenchmark", "summarise_run",
+           "run_one_by_one", "run_engine", "summarise_run",
            "check_serving_args", "run_serving_benchmark", "serving_info",
-           "format_serving_table", "serving_csv_stem", "write_serving_csv",
+           "format_serving_table", "write_serving_csv",
            "serving_parser", "check_cli_args", "run_serving_command", "main"]
 
 
@@ -188,48 +189,6 @@ def run_engine(model, requests: list[Request], policy: str, max_num_seqs: int,
     return MethodRun(name, served, wall, rows, padding)  # a prompt's chunk: no padding
 
 
-@dataclass
-class ServingBenchmark:
-    """The result of `run_serving_benchmark`: one summary row per method, and one
-    record per request and method (arrival, first token, finish: for a Gantt chart)."""
-    rows: list[dict]
-    requests: list[dict]
-    info: dict = field(default_factory=dict)
-
-    def row(self, method: str) -> dict:
-        """A summary row, by name ('minillm static') or key ('minillm-static')."""
-        name = METHODS.get(method, method)
-        for r in self.rows:
-            if r["method"] == name:
-                return r
-        measured = [r["method"] for r in self.rows]
-        raise KeyError(f"no method {method!r}; measured: {measured}")
-
-    def ratio(self, slow: str, fast: str, column: str = "output_tok_s") -> float:
-        """How many times `fast` beats `slow` in `column` (a rate: higher is better)."""
-        return self.row(fast)[column] / self.row(slow)[column]
-
-    def requests_of(self, method: str) -> list[dict]:
-        name = self.row(method)["method"]
-        return [r for r in self.requests if r["method"] == name]
-
-    def describe(self, short: bool = False) -> str:
-        """Where and how this was measured: the work, the engine's limits, the machine."""
-        i = self.info
-        work = (f"{i['num_requests']} requests, {i['arrivals']}, prompts "
-                f"{i['prompt_tokens']} tokens, outputs {i['output_tokens']} tokens")
-        if i.get("long_prompts"):
-            work += f", long prompts: {i['long_prompts']}"
-        if short:
-            return f"{i['model']}, {i['device']}, {work}"
-        rounds = i.get("rounds", 1)
-        turns = f", the median of {rounds} rounds in turns" if rounds > 1 else ""
-        return (f"{i['model']} ({i['params_M']}M parameters, {i['dtype']}), {work}\n"
-                f"max_num_seqs={i['max_num_seqs']}, max_num_batched_tokens="
-                f"{i['max_num_batched_tokens']}{turns}\n"
-                f"measured on {i['hardware']}, torch {i['torch']}")
-
-
 def summarise_run(run: MethodRun, requests: list[Request], reference: dict | None
                   ) -> tuple[dict, list[dict]]:
     """The summary row and the per-request records of one method."""
@@ -318,7 +277,7 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
                           max_num_batched_tokens: int | None = None,
                           progress: bool = True, rounds: int = 1,
                           long_prompts: tuple[float, int] | None = None
-                          ) -> ServingBenchmark:
+                          ) -> Result:
     """Serve one seeded workload with each method; see the appendix of Chapter 4.
 
     methods: keys or names of METHODS. rate: None (offline) or requests per second.
@@ -379,17 +338,19 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
             return run_engine(fast.get(key, model), reqs, "continuous", max_num_seqs,
                               budget, name, bar)
 
+    done = dict.fromkeys(keys, 0)
+
+    def timed(key):
+        done[key] += 1
+        desc = METHODS[key] + (f" ({done[key]}/{rounds})" if rounds > 1 else "")
+        with tqdm(total=num_requests, desc=desc, unit="req",
+                  disable=not progress) as bar:
+            return run(key, requests, bar)
+
     warm = [Request(i, r.prompt_ids, min(r.output_len, 4), 0.0)
             for i, r in enumerate(requests[:2])]
-    for key in keys:  # first calls pay for lazy initialisation and caches
-        run(key, warm)
-    every = {key: [] for key in keys}
-    for i in range(rounds):  # in turns: a busy moment hits every method alike
-        for key in keys:
-            desc = METHODS[key] + (f" ({i + 1}/{rounds})" if rounds > 1 else "")
-            with tqdm(total=num_requests, desc=desc, unit="req",
-                      disable=not progress) as bar:
-                every[key].append(run(key, requests, bar))
+    every = in_turns({key: partial(timed, key) for key in keys}, rounds,
+                     warm_up={key: partial(run, key, warm) for key in keys})
     runs = [sorted(rs, key=lambda r: r.wall_s)[len(rs) // 2]  # the median run
             for rs in every.values()]
     ours = [r for r in runs if r.method.startswith("minillm")]
@@ -414,7 +375,15 @@ def run_serving_benchmark(model_path, num_requests: int = 64, max_num_seqs: int 
     info.update(rounds=rounds, long_prompts=(None if long_prompts is None
                                              else f"{long_prompts[1]} tokens, "
                                                   f"share {long_prompts[0]:g}"))
-    return ServingBenchmark(rows, records, info)
+    work = (f"{info['num_requests']} requests, {info['arrivals']}, prompts "
+            f"{info['prompt_tokens']} tokens, outputs {info['output_tokens']} tokens")
+    if info.get("long_prompts"):
+        work += f", long prompts: {info['long_prompts']}"
+    turns = f", the median of {rounds} rounds in turns" if rounds > 1 else ""
+    return Result(rows, info, {"requests": records}, kind="serve", stem_extra=(
+        "offline" if rate is None else f"rate{rate:g}",), names=METHODS,
+        score="output_tok_s", lower_is_better=False, work=work,
+        setup=f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={budget}{turns}")
 
 
 def serving_info(model, model_path, device, dtype, requests, rate, seed, max_num_seqs,
@@ -444,7 +413,7 @@ def serving_info(model, model_path, device, dtype, requests, rate, seed, max_num
             "same_tokens_reference": reference_method}
 
 
-def format_serving_table(result: ServingBenchmark) -> str:
+def format_serving_table(result: Result) -> str:
     """The summary as aligned text: throughput first, then the latencies."""
     head = (f"{'method':<28}{'tok/s':>8}{'req/s':>7}{'TTFT p50/p99 s':>16}"
             f"{'TPOT p50/p99 ms':>17}{'ITL p50/p99 ms':>17}{'e2e p50/p99 s':>15}"
@@ -466,19 +435,10 @@ def format_serving_table(result: ServingBenchmark) -> str:
     return "\n".join(lines)
 
 
-def serving_csv_stem(result: ServingBenchmark) -> str:
-    """serve_<model>_<device>_<offline | rate<R>>."""
-    rate = result.info["rate"]
-    mode = "offline" if rate is None else f"rate{rate:g}"
-    return file_stem("serve", result.info["model"], result.info["device"], mode)
-
-
-def write_serving_csv(result: ServingBenchmark, folder: str | Path) -> list[Path]:
+def write_serving_csv(result: Result, folder: str | Path) -> list[Path]:
     """<stem>.csv (one row per method, with `info`) and <stem>_requests.csv (one row
-    per request and method)."""
-    stem = serving_csv_stem(result)
-    return write_csvs(folder, {stem: rows_table(result.rows, result.info),
-                               f"{stem}_requests": rows_table(result.requests)})
+    per request and method); the stem is serve_<model>_<device>_<offline | rate<R>>."""
+    return result.write(folder)
 
 
 def serving_parser() -> argparse.ArgumentParser:

@@ -9,14 +9,15 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
 from .cli import (BENCHMARKS, add_model_arguments, add_run_arguments,
                   check_model_arguments, check_run_arguments, command)
 from .folders import model_folder
-from .measure import hardware_name
-from .results import file_stem, rows_table, write_csvs
+from .measure import hardware_name, in_turns
+from .results import Result
 from ..engine.llm import LLM
 from ..model.loader import load_model
 from ..sampling import SamplingParams
@@ -85,7 +86,7 @@ def _serve(llm, convs, max_tokens: int) -> tuple[list, float]:
 
 def run_spec_benchmark(model: str = "smollm2-135m-instruct", dtype=torch.bfloat16,
                        device="cpu", max_tokens: int = 128, rounds: int = 3,
-                       ks=(2, 4), drafts=("int4",), concurrency=(1, 16)) -> tuple:
+                       ks=(2, 4), drafts=("int4",), concurrency=(1, 16)) -> Result:
     """Rows: task, requests at once, way, tokens/s (median of the rounds), its ratio
     to plain decoding in the same rounds, the acceptance rate, and how many answers
     differ from plain decoding's (0 in float32; in bfloat16 a forward over several
@@ -102,25 +103,27 @@ def run_spec_benchmark(model: str = "smollm2-135m-instruct", dtype=torch.bfloat1
         for n in concurrency:
             convs = conversations(task, n if n > 1 else len(TASKS[task]))
             batches = [[c] for c in convs] if n == 1 else [convs]
-            for llm in llms.values():
-                _serve(llm, convs[:1], 8)  # warm-up
+            def warm_up(llm):
+                _serve(llm, convs[:1], 8)
                 if llm.engine.runner.speculator is not None:
                     llm.engine.runner.speculator.stats.__init__()
-            speed = {w: [] for w in llms}
-            differ = {w: 0 for w in llms}
-            for _ in range(rounds):  # in turns
-                for way, llm in llms.items():
-                    ids, seconds = [], 0.0
-                    for b in batches:
-                        out, s = _serve(llm, b, max_tokens)
-                        ids, seconds = ids + out, seconds + s
-                    if way == "plain":
-                        reference = ids
-                    differ[way] = max(differ[way], sum(
-                        a != b for a, b in zip(ids, reference)))
-                    speed[way].append(sum(map(len, ids)) / seconds)
-                    print(f"{task}, {n} at once, {way}: {speed[way][-1]:.1f} "
-                          "tokens/s", file=sys.stderr, flush=True)  # progress
+
+            def run(way, llm) -> tuple[list, float]:
+                ids, seconds = [], 0.0
+                for b in batches:
+                    out, s = _serve(llm, b, max_tokens)
+                    ids, seconds = ids + out, seconds + s
+                print(f"{task}, {n} at once, {way}: {sum(map(len, ids)) / seconds:.1f} "
+                      "tokens/s", file=sys.stderr, flush=True)  # progress
+                return ids, seconds
+
+            runs = in_turns({w: partial(run, w, x) for w, x in llms.items()}, rounds,
+                            warm_up={w: partial(warm_up, x) for w, x in llms.items()})
+            speed = {w: [sum(map(len, ids)) / s for ids, s in r]
+                     for w, r in runs.items()}
+            differ = {w: max(sum(a != b for a, b in zip(ids, plain[0]))
+                             for (ids, _), plain in zip(r, runs["plain"]))
+                      for w, r in runs.items()}
             for way, llm in llms.items():
                 spec = llm.engine.runner.speculator
                 stats = spec and spec.stats
@@ -131,9 +134,11 @@ def run_spec_benchmark(model: str = "smollm2-135m-instruct", dtype=torch.bfloat1
                              "vs_plain": ratio, "acceptance": stats and
                              stats.acceptance_rate, "answers_differing": differ[way]})
     info = {"model": model, "dtype": str(dtype).removeprefix("torch."),
-            "device": str(device), "hardware": hardware_name(device),
+            "device": torch.device(device).type, "hardware": hardware_name(device),
             "torch": torch.__version__, "max_tokens": max_tokens, "rounds": rounds}
-    return rows, info
+    return Result(rows, info, kind="spec", key="way", score="tokens_per_s",
+                  lower_is_better=False, work=f"{max_tokens} new tokens, median of "
+                  f"{rounds} rounds in turns")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -179,12 +184,9 @@ def check_spec_args(args: argparse.Namespace) -> tuple:
 
 def _run(args, checked):
     device, dtype = checked
-    rows, info = run_spec_benchmark(args.model, dtype, device, args.max_tokens,
-                                    args.rounds, args.ks, args.drafts,
-                                    args.concurrency)
-    stem = file_stem("spec", args.model, device.type)
-    return format_table(rows), lambda out: write_csvs(
-        out, {stem: rows_table(rows, info)})
+    result = run_spec_benchmark(args.model, dtype, device, args.max_tokens,
+                                args.rounds, args.ks, args.drafts, args.concurrency)
+    return format_table(result.rows), result.write  # spec_<model>_<device>.csv
 
 
 main = command(spec_parser, check_spec_args, _run)

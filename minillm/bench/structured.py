@@ -16,14 +16,15 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
 from .cli import (BENCHMARKS, add_model_arguments, add_run_arguments,
                   check_model_arguments, check_run_arguments, command)
 from .folders import model_folder
-from .measure import hardware_name
-from .results import file_stem, rows_table, write_csvs
+from .measure import hardware_name, in_turns
+from .results import Result
 from ..engine.llm import LLM
 from ..model.loader import load_model
 from ..structured.backends import BACKENDS, token_vocab, xgrammar_available
@@ -132,16 +133,14 @@ def mask_cost(llms: dict, ways: list[str], batches, rounds: int, max_tokens: int
         _cost_once(llms[way], 1, way != "free", 8, device)
     rows = []
     for batch in batches:
-        runs = {w: [] for w in ways}
-        for r in range(rounds):  # in turns: every way once per round
-            for way in ways:
-                runs[way].append(_cost_once(llms[way], batch, way != "free",
-                                            max_tokens, device,
-                                            cold=way.endswith(" cold")))
-                print(f"cost batch {batch}, round {r + 1}, {way}: "
-                      f"{runs[way][-1]['ms_per_token']:.1f} ms/token, mask "
-                      f"{runs[way][-1]['mask_share']:.1%}", file=sys.stderr,
-                      flush=True)
+        def show(way, r, x, batch=batch):
+            print(f"cost batch {batch}, round {r + 1}, {way}: "
+                  f"{x['ms_per_token']:.1f} ms/token, mask {x['mask_share']:.1%}",
+                  file=sys.stderr, flush=True)
+
+        runs = in_turns({w: partial(_cost_once, llms[w], batch, w != "free", max_tokens,
+                                    device, cold=w.endswith(" cold")) for w in ways},
+                        rounds, after=show)
         for way in ways:
             ratio = [a["ms_per_token"] / b["ms_per_token"]
                      for a, b in zip(runs[way], runs["free"])]
@@ -174,7 +173,7 @@ def run_structured_benchmark(model: str = "smollm2-135m-instruct",
                              dtype=torch.bfloat16, device="cpu", max_tokens: int = 100,
                              samples: int = 4, rounds: int = 3, batches=(1, 16),
                              cost_tokens: int = 32,
-                             backends=("xgrammar", "minillm")) -> tuple:
+                             backends=("xgrammar", "minillm")) -> Result:
     """Rows of three parts ("parse", "cost", "compile") and the run's info."""
     folder = model_folder(model)
     target = load_model(folder, dtype=dtype, device=device)
@@ -190,10 +189,11 @@ def run_structured_benchmark(model: str = "smollm2-135m-instruct",
     rows += mask_cost(llms, cost_ways, list(batches), rounds, cost_tokens, device)
     rows += compile_times(target, tokenizer, list(backends), rounds)
     info = {"model": model, "dtype": str(dtype).removeprefix("torch."),
-            "device": str(device), "hardware": hardware_name(device),
+            "device": torch.device(device).type, "hardware": hardware_name(device),
             "torch": torch.__version__, "max_tokens": max_tokens,
             "cost_tokens": cost_tokens, "rounds": rounds}
-    return rows, info
+    return Result(rows, info, kind="structured", key="way", work=(
+        f"{max_tokens} new tokens (masks: {cost_tokens}), median of {rounds} rounds"))
 
 
 def format_table(rows: list[dict]) -> str:
@@ -255,12 +255,10 @@ def check_structured_args(args: argparse.Namespace) -> tuple:
 
 def _run(args, checked):
     device, dtype = checked
-    rows, info = run_structured_benchmark(
+    result = run_structured_benchmark(
         args.model, dtype, device, args.max_tokens, args.samples, args.rounds,
         args.batch, args.cost_tokens, args.backends)
-    stem = file_stem("structured", args.model, device.type)
-    return format_table(rows), lambda out: write_csvs(
-        out, {stem: rows_table(rows, info)})
+    return format_table(result.rows), result.write  # structured_<model>_<device>.csv
 
 
 main = command(structured_parser, check_structured_args, _run)
