@@ -56,6 +56,8 @@ REGISTRIES: dict[str, dict[str, str] | tuple[str, ...]] = {
     "minillm.serve.async_engine.REQUEST_PREPARERS": {"compile_grammar":
                                                      "minillm.structured.serve"},
     "minillm.serve.app.CHAT_REPLIES": {"tools": "minillm.structured.serve"},
+    "minillm.serve.app.HEALTH_CHECKS": {"tensor_parallel":                # chapter 13
+                                        "minillm.parallel.serve"},
     "minillm.serve.cli.ENGINE_FLAGS": {
         "--speculative-config": "minillm.speculative.serve",                     # chapter 10
         "--batch-invariant": "minillm.invariant.serve",                   # chapter 12

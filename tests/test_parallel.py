@@ -17,6 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -323,8 +324,9 @@ def test_a_script_without_the_main_guard_gets_told_why(tmp_path):
 
 def test_serve_with_two_ranks_answers_the_openai_client(tmp_path, tiny_one):
     """`python -m minillm serve FOLDER --tensor-parallel-size 2` in its own process:
-    the real `openai` client gets the one-process engine's greedy answer, and once
-    the server is stopped no worker is left."""
+    the real `openai` client gets the one-process engine's greedy answer; once a
+    worker is killed, /health is a 503 naming it and requests are 503s (they were
+    500s under a 200 /health); once the server is stopped no worker is left."""
     openai = pytest.importorskip("openai")
     port = free_port()
     log = open(tmp_path / "server.log", "w")
@@ -345,6 +347,17 @@ def test_serve_with_two_ranks_answers_the_openai_client(tmp_path, tiny_one):
                                                             max_tokens=16),
                                  use_tqdm=False)[0].outputs[0].text
         assert reply.choices[0].text == want
+        for pid in children:  # the worker dies: /health says so at once
+            os.kill(pid, signal.SIGKILL)
+        assert gone(children)
+        health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 503, health.text
+        assert "tensor-parallel ranks [1] have ended" in health.json()["reason"]
+        with pytest.raises(openai.APIStatusError) as e:  # a 503 that says why, not 500
+            client.with_options(max_retries=0).completions.create(
+                model=str(TINY), prompt="ROMEO:", max_tokens=4)
+        assert e.value.status_code == 503 and "rank 1" in str(e.value), e.value
+        assert httpx.get(url + "/health", timeout=30).status_code == 503
     finally:
         server.send_signal(signal.SIGINT)  # Ctrl-C
         try:

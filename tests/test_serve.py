@@ -421,8 +421,11 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on():
     with BackgroundServer(build_app(llm, NAME)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
                                max_retries=0)
-        with pytest.raises(openai.InternalServerError, match="a broken kernel"):
+        with pytest.raises(openai.InternalServerError, match="a broken kernel") as e:
             client.completions.create(model=NAME, prompt="A:\n", max_tokens=4)
+        assert e.value.status_code == 503  # never a 500
+        health = httpx.get(server.url + "/health")  # the truth, until a step succeeds
+        assert health.status_code == 503 and "a broken kernel" in health.json()["reason"]
         ok = client.completions.create(model=NAME, prompt="A:\n", max_tokens=4)
         assert ok.usage.completion_tokens == 4
         assert httpx.get(server.url + "/health").status_code == 200

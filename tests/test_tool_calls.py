@@ -107,13 +107,17 @@ def test_the_hand_built_backend_names_what_it_cannot_take():
 # --- the reader: text and calls, whatever the pieces -------------------------------------
 
 ANSWERS = ["just text, no call", CALL, "Let me look. " + CALL + "\n" + CLOCK_CALL,
-           "a < b and <tool but not a call", CALL + "\n" + CALL[:30]]
+           "a < b and <tool but not a call", CALL + "\n" + CALL[:30],  # a head cut
+           CALL + "\n" + CALL[:60]]  # a call cut in its arguments
 
 
 @pytest.mark.parametrize("text", ANSWERS)
 def test_the_reader_gives_the_same_calls_however_the_text_is_split(text):
+    """Streamed in any pieces or read whole: the same text and the same calls, a call
+    cut short included (with the arguments written so far, as OpenAI returns it), and
+    never any markup in the text."""
     whole_content, whole_calls, cut = read_calls(text)
-    assert cut == (text == ANSWERS[-1])
+    assert cut == (text in ANSWERS[-2:])
     rng = random.Random(0)
     for sizes in [[1] * len(text), [3] * len(text)] + [
             [rng.randint(1, 9) for _ in text] for _ in range(20)]:
@@ -132,24 +136,23 @@ def test_the_reader_gives_the_same_calls_however_the_text_is_split(text):
             c["name"] += d.get("function", {}).get("name", "")
             c["arguments"] += d["function"]["arguments"]
             assert "id" in d if "name" in d["function"] else "id" not in d
-        finished = [(c["function"]["name"], c["function"]["arguments"])
-                    for c in whole_calls]
-        assert [(c["name"], c["arguments"]) for c in calls.values()][
-            :len(finished)] == finished
-        if not cut:
-            assert (content.strip() or None if whole_calls else content) == whole_content
-            assert "<tool_call>" not in content or text == ANSWERS[3]
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in whole_calls]
+        assert (content.strip() or None if whole_calls else content) == whole_content
+        assert "<tool_call>" not in content and "tool_call>" not in (whole_content or "")
     if text == CALL:
         assert whole_content is None and json.loads(
             whole_calls[0]["function"]["arguments"]) == {"city": "Ayr", "days": 2}
-    if cut:
-        assert len(whole_calls) == 1 and CALL[:30] in whole_content
+    if cut:  # the head cut: no call for it; the arguments cut: the call so far
+        assert whole_content is None
+        assert [c["function"]["arguments"] for c in whole_calls][1:] == (
+            [CALL[49:60]] if text == ANSWERS[-1] else [])
 
 
 @pytest.mark.parametrize("tools,match", [
     ([], "1 to 128"), ([WEATHER] * 129, "1 to 128"), ("x", "1 to 128"),
     ([{"type": "retrieval"}], r"tools\.0"), ([tool("bad name")], "a name of 1 to 64"),
-    ([tool("f", strict=True, extra=1)], r"unknown \['extra'\]"),
+    ([tool("f", strict=True, extra=1)], r"tools\.0: unknown keys \['extra'\]"),
     ([{"type": "function", "function": {"name": "f", "parameters": []}}], "a dict"),
     ([WEATHER, WEATHER], "share a name")])
 def test_bad_tools_are_refused_by_name(tools, match):
@@ -228,27 +231,118 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.mark.parametrize("choice", ["required", NAMED])
 def test_a_forced_choice_answers_only_with_valid_calls(client, choice):
-    """Calls only. In parallel the tiny model calls again and again, until max_tokens
-    cuts a call: that call is not returned (its text stays in content), while a
-    stream has sent its first pieces; finish_reason "length" says so."""
+    """Calls only, streamed or not the same calls, and never markup in content. A named
+    function is exactly one call whatever parallel_tool_calls says (OpenAI's and vLLM's
+    promise; it gave two or three). In parallel, "required" lets the tiny model call
+    again and again until max_tokens cuts a call: that call is returned with the
+    arguments written so far, and finish_reason is "length", never "tool_calls"."""
     for parallel in (None, False):
         extra = {} if parallel is None else {"parallel_tool_calls": parallel}
         answer = ask(client, tool_choice=choice, **extra).choices[0]
         calls = [(c.function.name, c.function.arguments)
                  for c in answer.message.tool_calls]
-        valid(calls)
         assert calls and all(c.id.startswith("call_") and c.type == "function"
                              for c in answer.message.tool_calls)
-        content, sent, finish = streamed(client, tool_choice=choice, **extra)
-        assert (sent[:len(calls)], finish) == (calls, answer.finish_reason)
-        if choice == NAMED:
-            assert {name for name, _ in sent} == {"get_weather"}
-        if answer.finish_reason == "length":
-            assert answer.message.content.startswith("<tool_call>")
+        assert answer.message.content is None
+        assert streamed(client, tool_choice=choice, **extra) == (
+            "", calls, answer.finish_reason)
+        if choice == NAMED or parallel is False:
+            assert len(calls) == 1 and answer.finish_reason != "length"
+        if answer.finish_reason == "length":  # cut: every call but the last is whole
+            assert choice == "required" and parallel is None
+            valid(calls[:-1])
             continue
-        assert answer.message.content is None and (content, sent) == ("", calls)
+        valid(calls)
         assert answer.finish_reason == ("stop" if choice == NAMED else "tool_calls")
-    assert len(calls) == 1  # parallel_tool_calls=false: one call, then the end
+    if choice == NAMED:
+        assert {name for name, _ in calls} == {"get_weather"}
+
+
+def test_a_call_cut_by_a_stop_string_is_not_a_finished_call(client):
+    """A stop string inside a call ends the answer there: finish_reason "stop" (not
+    "tool_calls"), the call so far in tool_calls, the same streamed or not."""
+    kw = {"tool_choice": "required", "tools": [WEATHER], "stop": ['"days"']}
+    answer = ask(client, **kw).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in answer.message.tool_calls]
+    assert answer.finish_reason == "stop" and answer.message.content is None
+    assert calls and calls[-1][0] == "get_weather" and "city" in calls[-1][1]
+    assert "days" not in calls[-1][1]
+    assert streamed(client, **kw) == ("", calls, "stop")
+
+
+@pytest.mark.parametrize("other", [
+    {"response_format": {"type": "json_object"}},
+    {"guided_regex": "[a-z]+"},
+    {"structured_outputs": {"choice": ["a", "b"]}}])
+def test_tools_with_another_constraint_are_a_400(served, other):
+    """Two grammars cannot both hold the answer: a 400 naming both (before, the other
+    silently replaced the tools' grammar: a 200 with no calls)."""
+    name = next(iter(other))
+    status, reply = send(served[0], "/v1/chat/completions", {
+        "model": NAME, "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+        "max_tokens": 8, **other})
+    assert status == 400 and reply["error"]["param"] == name, reply
+    assert "tools and" in reply["error"]["message"], reply
+    status, reply = send(served[0], "/v1/chat/completions", {  # no tools shown: fine
+        "model": NAME, "messages": ASK, "tools": [WEATHER], "tool_choice": "none",
+        "max_tokens": 4, **other})  # (the hand-built backend refuses json_object)
+    assert status == 200 or "tools and" not in reply["error"]["message"], reply
+
+
+DEEP = {"type": "object", "properties": {"x": {"type": "string"}}}
+for _ in range(40):
+    DEEP = {"type": "object", "properties": {"x": DEEP}}
+
+
+@pytest.mark.parametrize("body,param,match", [
+    ({"tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice",
+     "give 'none'"),
+    ({"tool_choice": {"type": "function", "function": ["get_weather"]}}, "tool_choice",
+     "give 'none'"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice", "give 'none'"),
+    ({"tools": [tool("f", {"x": DEEP})]}, "tools", "nests"),
+    ({"tools": [tool(f"f{i}", {f"p{j}": {"type": "string", "description": "d" * 60}
+                               for j in range(40)}) for i in range(128)]}, "tools",
+     None),
+    ({"tools": [{**WEATHER, "cache_control": {"type": "ephemeral"}}]}, "tools",
+     "unknown keys ['cache_control']; a tool has 'type' and 'function'"),
+    ({"tools": [{"type": "function", "function": {
+        **WEATHER["function"], "examples": [{}]}}]}, "tools",
+     "unknown keys ['examples']"),
+    ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {
+            "name": "get_weather", "arguments": "[" * 5000 + "]" * 5000}}]}]},
+     "messages", "tool_calls.0: give"),
+])
+def test_requests_that_crashed_the_server_are_400s_naming_the_field(served, body,
+                                                                   param, match):
+    """Each of these was a 500 with a traceback, or a 400 whose message was cut
+    mid-word: now a 400 that names the field and says what is allowed."""
+    status, reply = send(served[0], "/v1/chat/completions", {
+        "model": NAME, "messages": ASK, "tools": [WEATHER, CLOCK], "max_tokens": 4}
+        | body)
+    assert status == 400 and reply["error"]["param"] == param, reply
+    assert match is None or match in reply["error"]["message"], reply
+
+
+def test_the_history_a_client_sends_back_is_taken(served, client):
+    """An answer's message.model_dump() (refusal, annotations, audio, function_call:
+    null) goes back into the next request as it is, as OpenAI and vLLM take it."""
+    answer = ask(client, tool_choice=NAMED, max_tokens=200).choices[0]
+    assert answer.finish_reason == "stop"  # one whole call
+    first = answer.message
+    dumped = first.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(dumped)
+    history = ASK + [dumped] + [{"role": "tool", "tool_call_id": c.id, "content": "20C"}
+                                for c in first.tool_calls]
+    again = ask(client, messages=history, max_tokens=4)
+    assert again.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    refused = ASK + [{"role": "assistant", "content": None, "refusal": "I cannot."}]
+    assert ask(client, messages=refused, tool_choice="none", max_tokens=2).choices
+    status, reply = send(served[0], "/v1/chat/completions", {
+        "model": NAME, "max_tokens": 2, "messages": ASK + [
+            {"role": "assistant", "content": "x", "audio": {"id": "a1"}}]})
+    assert status == 400 and "audio" in reply["error"]["message"], reply
 
 
 def test_auto_and_none_answer_text_the_same_way_streamed_or_not(client):

@@ -4,11 +4,27 @@
 """Chapter 13 in the server: vLLM's `--tensor-parallel-size N`."""
 from __future__ import annotations
 
+from ..serve.app import HEALTH_CHECKS
 from ..serve.cli import ENGINE_FLAGS
 
 ENGINE_FLAGS["--tensor-parallel-size"] = ("tensor_parallel_size", dict(
     type=int, default=None, metavar="N", help="split every layer over N processes "
     "(torch.distributed: gloo on a CPU, nccl on GPUs; chapter 13)"))
 
+
+def workers_health(engine) -> str | None:
+    """Why the tensor-parallel workers cannot serve (they were stopped after a
+    failure, or a worker process has ended), or None: for chapter 9's /health."""
+    workers = getattr(engine.model, "workers", None)
+    if workers is None:
+        return None
+    if workers.error is not None:
+        return f"tensor-parallel workers stopped: {workers.error}"
+    dead = [rank for rank, p in enumerate(workers.procs, 1) if not p.is_alive()]
+    return f"tensor-parallel ranks {dead} have ended" if dead else None
+
+
+HEALTH_CHECKS["tensor_parallel"] = workers_health
+
 # %% auto #0
-__all__ = []
+__all__ = ['workers_health']

@@ -34,9 +34,9 @@ router = APIRouter()
 MAX_BODY_BYTES = 4 * 2**20  # a request body's default bound (build_app, 413)
 
 # %% auto #0
-__all__ = ['router', 'MAX_BODY_BYTES', 'LOGPROB_FLOOR', 'JSON', 'CHAT_REPLIES', 'Server', 'server', 'build_app', 'api_error',
-           'validation_error', 'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit', 'merged_chars', 'health',
-           'metrics', 'list_models', 'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize',
+__all__ = ['router', 'MAX_BODY_BYTES', 'HEALTH_CHECKS', 'LOGPROB_FLOOR', 'JSON', 'CHAT_REPLIES', 'Server', 'server', 'build_app',
+           'api_error', 'validation_error', 'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit', 'merged_chars',
+           'health', 'metrics', 'list_models', 'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize',
            'tokenizer_info', 'docs', 'docs_page', 'submit', 'submit_all', 'prompt_list', 'one_prompt', 'check_text',
            'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone', 'finite', 'token_text',
            'raw_bytes', 'token_key', 'completion_logprobs', 'echo_logprobs', 'echoed', 'chat_logprobs',
@@ -231,13 +231,24 @@ def merged_chars(tok) -> int:
     return factor
 
 # %% ../../chapters/09_serving.ipynb #s43-routes
+# a later chapter's check: name -> check(engine) -> why it cannot serve, or None
+HEALTH_CHECKS = Registry("minillm.serve.app.HEALTH_CHECKS")  # (chapter 13's workers)
+
+
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 while the engine thread runs, 503 once it has stopped or is stuck
-    (one step, or one command, that has lasted longer than stall_after)."""
+    """200 while the engine can serve; 503 with the reason once it cannot: its
+    thread has stopped or is stuck (one pass longer than stall_after), its last
+    step failed, or a later chapter's check (HEALTH_CHECKS) says so."""
     engine = server(request).engine
-    ok = engine.alive and not engine.stalled
-    return Response(status_code=200 if ok else 503)
+    why = ("the engine thread has stopped" + (
+        f": {engine.error!r:.300}" if engine.error else "") if not engine.alive
+        else "the engine thread is stuck" if engine.stalled else engine.failing)
+    for check in ([] if why else HEALTH_CHECKS.values()):
+        why = why or check(engine.engine)
+    if why:
+        return JSONResponse({"status": "unhealthy", "reason": why}, 503)
+    return Response(status_code=200)
 
 
 @router.get("/metrics")

@@ -89,6 +89,7 @@ class AsyncEngine:
         self.error: BaseException | None = None  # what stopped the thread
         self.beat: float | None = None  # when the thread woke (None: asleep)
         self.stall_after = 60.0       # /health: 503 when one pass takes longer
+        self.failing: str | None = None  # why the last step failed (/health)
 
     def start(self) -> None:
         """Start the engine thread; call it from the event loop's thread."""
@@ -232,10 +233,10 @@ def _step(self) -> None:
     step's outputs in one call to the event loop."""
     try:
         outputs = self.engine.step()
-    except Exception as e:  # the step failed for everybody in it
-        return self._drop_all(APIError(500, f"engine step failed: {e!r}",
-                                       type="server_error"))
-    now, handed = time.perf_counter(), []
+    except Exception as e:  # the step failed for everybody in it: say so until
+        self.failing = f"engine step failed: {e!r:.300}"  # a step succeeds
+        return self._drop_all(APIError(503, self.failing, type="server_error"))
+    self.failing, now, handed = None, time.perf_counter(), []
     for out in outputs:
         stream = self._streams.get(out.request_id)
         if stream is None:

@@ -106,7 +106,7 @@ class CommonRequest(BaseModel):
         values["prompt_logprobs"] = getattr(self, "prompt_logprobs", None)
         values.update(more)  # the route's own (echo: the prompt's logprobs)
         later = REQUEST_FIELDS  # later chapters' fields
-        given = {}  # SamplingParams keyword -> the request field that set it
+        given = {k: names.get(k, k) for k in more}  # keyword -> what set it
         for name, to_params in later.items():
             if getattr(self, name, None) is not None:
                 for key, value in to_params(getattr(self, name)).items():
@@ -137,10 +137,17 @@ class ChatMessage(BaseModel):
     name: str | None = None  # the speaker's name: handed to the template
     tool_calls: list[dict] | None = None  # the functions an assistant called
     tool_call_id: str | None = None  # a "tool" message answers this call
+    # what the openai client's message.model_dump() adds to an answer sent back:
+    refusal: str | None = None  # an assistant's refusal: its content if it has none
+    annotations: list[dict] | None = None  # OpenAI's citations: not shown to the model
+    audio: None = None  # an audio answer's id: refused unless null
+    function_call: None = None  # (tool_calls replaced it): refused unless null
 
     @model_validator(mode="after")
     def has_content(self):
         """Content, unless an assistant's turn is only tool calls (OpenAI's)."""
+        if self.content is None and self.role == "assistant":
+            self.content = self.refusal  # what a refusing assistant said
         if self.content is None and not (self.role == "assistant"
                                          and self.tool_calls):
             raise ValueError(f"role {self.role!r} needs content (null only in "

@@ -121,7 +121,8 @@ class ToolReply(ChatReply):
             raise APIError(400, f"tool_choice={body.tool_choice!r:.60} needs "
                            "tools", param="tool_choice")
         self.tools = tools if self.choice_kind != "none" else []
-        self.parallel = getattr(body, "parallel_tool_calls", None) is not False
+        self.parallel = getattr(body, "parallel_tool_calls", None) is not False and (
+            self.choice_kind != "named")  # a named function: exactly one call
         self.readers: dict[int, ToolCallReader] = {}
         check_text(s, json.dumps(tools), "tools")  # bounded as the messages are
 
@@ -144,14 +145,17 @@ class ToolReply(ChatReply):
         if not self.tools:
             return {}
         tag = tool_tag(self.callable, self.choice_kind, self.parallel)
-        return {"structured_outputs": StructuredOutputsParams(structural_tag=tag)}
+        try:  # within the bounds of any structured output
+            return {"structured_outputs": StructuredOutputsParams(structural_tag=tag)}
+        except (ValueError, RecursionError) as e:
+            raise APIError(400, f"tools: {e}", param="tools") from None
 
     def choice(self, a) -> dict:
         out = super().choice(a)
         if self.tools:
-            content, calls, _ = read_calls(a.text)
+            content, calls, cut = read_calls(a.text)
             out["message"] |= {"content": content, "tool_calls": calls}
-            out["finish_reason"] = self.finish(a.finish_reason, calls)
+            out["finish_reason"] = self.finish(a.finish_reason, calls, cut)
         return out
 
     def delta(self, c) -> dict:
@@ -159,15 +163,19 @@ class ToolReply(ChatReply):
         if self.tools:
             reader = self.readers.setdefault(c.index, ToolCallReader())
             text, calls = reader.feed(c.text, last=c.finish_reason is not None)
+            if reader.calls and not text.strip():
+                text = ""  # the newline between calls is not content
             out["delta"].pop("content", None)
             out["delta"] |= ({"content": text} if text else {}) | (
                 {"tool_calls": calls} if calls else {})
-            out["finish_reason"] = self.finish(c.finish_reason, reader.calls)
+            out["finish_reason"] = self.finish(c.finish_reason, reader.calls,
+                                               reader.open)
         return out
 
-    def finish(self, reason, calls) -> str | None:
-        """"tool_calls" when an answer called a function it was free not to."""
-        return "tool_calls" if reason == "stop" and calls and (
+    def finish(self, reason, calls, cut: bool) -> str | None:
+        """"tool_calls" when an answer called a function it was free not to, and
+        its last call is whole; a cut call keeps "length" or "stop"."""
+        return "tool_calls" if reason == "stop" and calls and not cut and (
             self.choice_kind != "named") else reason
 
 
@@ -178,10 +186,10 @@ def template_call(call: dict, i: int) -> dict:
     try:
         arguments = json.loads(f["arguments"]) if isinstance(
             f.get("arguments"), str) else f.get("arguments", {})
-    except (AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError, RecursionError):
         arguments = None
     if not isinstance(arguments, dict) or not isinstance(f.get("name"), str):
-        raise APIError(400, f"tool_calls.{i}={call!r:.80}: give {{'id': ..., "
+        raise APIError(400, f"tool_calls.{i}: give {{'id': ..., "
                        "'type': 'function', 'function': {'name': ..., "
                        "'arguments': <a JSON object, as text>}}", param="messages")
     return {**call, "function": {"name": f["name"], "arguments": arguments}}

@@ -58,17 +58,19 @@ def check_tools(tools) -> list[dict]:
     functions = []
     for i, tool in enumerate(tools):
         f = tool.get("function") if isinstance(tool, dict) else None
-        if not (isinstance(f, dict) and tool.get("type") == "function"
-                and set(tool) <= {"type", "function"}):
-            raise ValueError(f"tools.{i}={tool!r:.60}: give {{'type': 'function', "
-                             "'function': {'name': ..., 'parameters': {...}}}")
-        unknown = set(f) - {"name", "description", "parameters", "strict"}
-        if unknown or not isinstance(f.get("name"), str) or not NAME.fullmatch(
+        if not (isinstance(f, dict) and tool.get("type") == "function"):
+            raise ValueError(f"tools.{i}: give {{'type': 'function', 'function': "
+                             "{'name': ..., 'parameters': {...}}}")
+        unknown = sorted(set(tool) - {"type", "function"}) or sorted(
+            set(f) - {"name", "description", "parameters", "strict"})
+        if unknown:  # a key we would drop (cache_control, examples): named
+            raise ValueError(f"tools.{i}: unknown keys {unknown}; a tool has 'type' "
+                             "and 'function', a function 'name', 'description', "
+                             "'parameters' and 'strict'")
+        if not isinstance(f.get("name"), str) or not NAME.fullmatch(
                 f["name"]) or not isinstance(f.get("parameters", {}), dict):
-            raise ValueError(f"tools.{i}.function={f!r:.60}: a name of 1 to 64 "
-                             "letters, digits, _ or -, and parameters a JSON "
-                             f"Schema (a dict){'; unknown ' if unknown else ''}"
-                             f"{sorted(unknown) if unknown else ''}")
+            raise ValueError(f"tools.{i}.function: a name of 1 to 64 letters, "
+                             "digits, _ or -, and parameters a JSON Schema (a dict)")
         functions.append(f)
     names = [f["name"] for f in functions]
     if len(set(names)) < len(names):
@@ -82,13 +84,14 @@ def chosen(tool_choice, functions: list[dict]) -> tuple[str, list[dict]]:
     the functions the answer may call)."""
     if tool_choice in (None, "auto", "none", "required"):
         return tool_choice or "auto", functions
-    name = tool_choice.get("function", {}).get("name") if isinstance(
-        tool_choice, dict) and tool_choice.get("type") == "function" else None
+    f = tool_choice.get("function") if isinstance(tool_choice, dict) and (
+        tool_choice.get("type") == "function") else None
+    name = f.get("name") if isinstance(f, dict) else None
     named = [f for f in functions if f["name"] == name]
     if not named:
-        raise ValueError(f"tool_choice={tool_choice!r:.80}: give 'none', 'auto', "
-                         "'required' or {'type': 'function', 'function': {'name': "
-                         f"<one of {[f['name'] for f in functions]}>}}")
+        raise ValueError("tool_choice: give 'none', 'auto', 'required' or {'type': "
+                         "'function', 'function': {'name': <one of "
+                         f"{[f['name'] for f in functions]}>}}}}")
     return "named", named
 
 
@@ -158,7 +161,7 @@ class ToolCallReader:
                 content, self.read = content + t[i:stop], stop
                 begin = self.BEGIN.match(t, stop) if at >= 0 else None
                 if begin is None:  # no marker, or not all of its call's head yet
-                    return content + (t[stop:] if last else ""), deltas
+                    return content, deltas  # (a head cut short is not text)
                 self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}",
                                    "type": "function", "function": {
                                        "name": begin.group(1), "arguments": ""}})
@@ -185,14 +188,12 @@ def held_back(text: str, marker: str) -> int:
 
 
 def read_calls(text: str) -> tuple[str | None, list[dict], bool]:
-    """A whole answer: its text (beside calls: None if blank), its finished
-    calls, and whether a call was cut short (its text then stays in the text)."""
+    """A whole answer, as the stream reads it: its text (beside calls: None if
+    blank), its calls, and whether the last one was cut short (it is still
+    returned, with the arguments written so far, as OpenAI does)."""
     reader = ToolCallReader()
     content, _ = reader.feed(text, last=True)
     cut = reader.open or TOOL_CALL in text[reader.read:]  # begun, never ended
-    if reader.open:  # a call that never ended is not a call
-        content += text[text.rfind(TOOL_CALL):]
-        reader.calls.pop()
     if reader.calls:  # the text around calls, if any, without their newlines
         content = content.strip() or None
     return content, reader.calls, cut
