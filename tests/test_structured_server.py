@@ -151,6 +151,11 @@ def schema_format(schema) -> dict:
     (schema_format({"type": "object", "properties": {"n": {"type": "wrong"}}}),
      "wrong"),
     (schema_format({"type": "strin"}), "strin"),
+    ({"type": "json_object", "schema": RECORD},  # it ignored the schema with a 200
+     "unknown keys ['schema']; to hold the answer to a schema"),
+    ({"type": "text", "zzz": 1}, "unknown keys ['zzz']"),
+    ({"type": "json_schema", "json_schema": {"name": "r", "schema": RECORD,
+                                             "bogus": 1}}, "unknown keys ['bogus']"),
 ])
 def test_a_malformed_response_format_is_a_400_naming_it(client, server, form, says):
     engine = server[1]
@@ -260,3 +265,58 @@ def test_done_when_the_real_models_response_format_answers_validate(real_client)
         response_format={"type": "json_object"}).choices[0]
     assert anything.finish_reason == "stop"
     assert isinstance(json.loads(anything.message.content), dict)
+
+
+# --- issue 71: no request stalls or crashes the others --------------------------------
+
+@pytest.mark.parametrize("so", [
+    {"json": {"type": {"a": 1}}}, {"json": {"type": ["string", {"x": 1}]}},
+    {"json": {"allOf": 5}}, {"json": {"type": "object", "allOf": 5}},
+    {"regex": "(" * 400 + "a" + ")" * 400}])
+def test_malformed_constraints_are_400s_not_500s(server, so):
+    """Each was a 500 with a traceback (TypeError, RecursionError) on a backend."""
+    url, _, backend = server
+    reply = post(url, "/v1/completions", {"model": NAME, "prompt": PROMPT,
+                                          "max_tokens": 2, "structured_outputs": so})
+    assert reply.status_code in (200, 400), reply.text  # xgrammar takes the regex
+    if reply.status_code == 400:
+        assert reply.json()["error"]["param"] == "structured_outputs", reply.text
+    assert reply.status_code == 400 or (backend == "xgrammar" and "regex" in so)
+
+
+def test_a_cached_grammar_never_waits_behind_another_compile(server):
+    """The compile thread busy with someone's slow grammar: a grammar compiled before
+    is looked up first and answered at once (it waited and was a 400 after 10 s)."""
+    import threading
+    import time
+
+    from minillm.structured import serve as ss
+    url = server[0]
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2, "response_format": FORMAT}
+    assert post(url, "/v1/completions", body).status_code == 200  # now cached
+    gate = threading.Event()
+    busy = ss.COMPILER.submit(gate.wait, 60)  # the one compile thread, taken
+    try:
+        start = time.perf_counter()
+        assert post(url, "/v1/completions", body).status_code == 200
+        assert time.perf_counter() - start < ss.COMPILE_TIMEOUT / 2
+    finally:
+        gate.set()
+        busy.result()
+
+
+def test_the_hand_built_automaton_has_a_work_budget():
+    """A pattern of few DFA states can still be minutes of work (it held the GIL and
+    slowed every request 5-11 s): the build stops at MAX_DFA_WORK steps."""
+    from minillm.structured import fsm
+    with pytest.raises(ValueError, match="steps to build"):
+        fsm.DFA(".*" * 2500 + "a[ab]{9}")
+    small = fsm.DFA("[a-z]{1,30}@[a-z]{1,30}")  # what a schema asks: far below it
+    assert small.walk(0, b"ab@cd") in small.accepting
+
+
+def test_choices_are_bounded_in_all():
+    from minillm.structured.params import MAX_SPEC_CHARS, StructuredOutputsParams
+    with pytest.raises(ValueError, match=f"{MAX_SPEC_CHARS} in all"):
+        StructuredOutputsParams(choice=["x" * 1000] * 1024)  # 1 MB: 10+ s to compile
+    assert StructuredOutputsParams(choice=["x" * 60] * 1024).choice

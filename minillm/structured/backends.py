@@ -29,6 +29,9 @@ class FSMBackend:
                               self.stop_ids, self.vocab_size)
         except ValueError as e:  # named as the server names the field
             raise ValueError(f"structured_outputs {so.kind}: {e}") from None
+        except (TypeError, RecursionError) as e:  # {"type": {...}}, ((((...))))
+            raise ValueError(f"structured_outputs {so.kind}: malformed, or nested "
+                             f"too deeply ({type(e).__name__}: {e})") from None
 
     def pattern(self, so) -> str | DFA:
         if so.kind == "regex":
@@ -62,7 +65,11 @@ class XGrammarBackend:
 
     def compile(self, so):
         c, value = self.compiler, getattr(so, so.kind)
-        if dropped := unenforced_in(so):
+        try:
+            dropped = unenforced_in(so)
+        except (TypeError, AttributeError, RecursionError):  # {"allOf": 5}: xgrammar
+            dropped = None  # names what is wrong with it, below
+        if dropped:
             raise ValueError(f"structured_outputs {so.kind}: xgrammar does not "
                              f"enforce {dropped}, so an answer could break the "
                              "schema; leave it out")

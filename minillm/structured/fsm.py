@@ -12,13 +12,14 @@ import torch
 
 ANY = frozenset(range(256))  # every byte
 MAX_NFA_STATES, MAX_DFA_STATES = 20_000, 5_000  # bounded work per grammar
+MAX_DFA_WORK = 5_000_000  # NFA states visited to build one DFA (about a second)
 
 # %% auto #0
-__all__ = ['ANY', 'MAX_NFA_STATES', 'MAX_DFA_STATES', 'CLASSES', 'SIMPLE', 'WS', 'CHAR', 'STRING', 'INTEGER', 'NUMBER', 'SCALARS',
-           'KEYWORDS', 'TYPES', 'MAX_BOUND', 'FORMATS', 'parse_regex', 'NFA', 'DFA', 'closure', 'moves', 'token_groups',
-           'pack_bits', 'allowed_tokens', 'FSMGrammar', 'FSMMatcher', 'schema_regex', 'check_schema_keys',
-           'array_regex', 'range_regex', 'int_range_regex', 'structural_tag_pattern', 'tags_regex', 'triggered_dfa',
-           'matched']
+__all__ = ['ANY', 'MAX_NFA_STATES', 'MAX_DFA_STATES', 'MAX_DFA_WORK', 'CLASSES', 'SIMPLE', 'WS', 'CHAR', 'STRING', 'INTEGER',
+           'NUMBER', 'SCALARS', 'KEYWORDS', 'TYPES', 'MAX_BOUND', 'FORMATS', 'parse_regex', 'NFA', 'DFA', 'closure',
+           'moves', 'token_groups', 'pack_bits', 'allowed_tokens', 'FSMGrammar', 'FSMMatcher', 'schema_regex',
+           'check_schema_keys', 'array_regex', 'range_regex', 'int_range_regex', 'structural_tag_pattern', 'tags_regex',
+           'triggered_dfa', 'matched']
 
 # %% ../../chapters/11_structured_output.ipynb #s32-parser
 CLASSES = {"d": b"0123456789", "s": b" \t\n\r\f\v",
@@ -226,12 +227,17 @@ class DFA:
         start, end = nfa.state(), nfa.state()
         nfa.build(parse_regex(pattern), start, end)
         first = closure(nfa, {start})
-        index, todo, self.next = {first: 0}, [first], []
+        index, todo, self.next, work = {first: 0}, [first], [], 0
         while todo:
             states = todo.pop(0)
             row = [-1] * 256
             for byte, targets in moves(nfa, states).items():
                 target = closure(nfa, targets)
+                work += len(target)  # few states can still be much work
+                if work > MAX_DFA_WORK:
+                    raise ValueError(f"the pattern takes more than {MAX_DFA_WORK} "
+                                     "steps to build: too large for the hand-built "
+                                     "backend")
                 if target not in index:
                     if len(index) >= MAX_DFA_STATES:
                         raise ValueError(f"regex {pattern!r:.60}: more than "

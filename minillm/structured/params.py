@@ -96,9 +96,11 @@ def check_structured_outputs(p: StructuredOutputsParams) -> None:
     elif kind == "choice":
         choices = tuple(value) if isinstance(value, (list, tuple)) else ()
         if not 0 < len(choices) <= MAX_CHOICES or not all(
-                isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS for c in choices):
-            raise ValueError(f"structured_outputs choice={value!r:.60}: give a list of "
-                             f"1 to {MAX_CHOICES} non-empty strings")
+                isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS for c in choices
+        ) or sum(map(len, choices)) > MAX_SPEC_CHARS:  # bounded as a schema is
+            raise ValueError(f"structured_outputs choice: give a list of 1 to "
+                             f"{MAX_CHOICES} non-empty strings of at most "
+                             f"{MAX_CHOICE_CHARS} characters, {MAX_SPEC_CHARS} in all")
         put(choices)
     elif value is not True:
         raise ValueError(f"structured_outputs json_object={value!r}: give True")

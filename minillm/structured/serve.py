@@ -20,8 +20,20 @@ from .tools import (TOOL_TEMPLATE, ToolCallReader, check_tools,
 
 
 def response_format_params(value: dict) -> dict:
-    """OpenAI's response_format -> SamplingParams' structured_outputs."""
+    """OpenAI's response_format -> SamplingParams' structured_outputs. A key we
+    would drop (a schema beside json_object) is a 400 that names it."""
     kind = value.get("type")
+    keys = {"text": {"type"}, "json_object": {"type"},
+            "json_schema": {"type", "json_schema"}}.get(kind, set(value))
+    spec = value.get("json_schema")
+    unknown = sorted(set(value) - keys) or sorted(set(spec) - {
+        "name", "schema", "strict", "description"} if isinstance(spec, dict) else ())
+    if unknown:
+        hint = ("; to hold the answer to a schema, give {\"type\": \"json_schema\", "
+                "\"json_schema\": {\"name\": ..., \"schema\": {...}}}"
+                if kind == "json_object" else "")
+        raise APIError(400, f"response_format ({kind}): unknown keys {unknown}{hint}",
+                       param="response_format")
     if kind == "text":
         return {}
     if kind == "json_object":
@@ -74,8 +86,8 @@ async def compile_grammar(engine, params) -> None:
     at a time; one that outlasts COMPILE_TIMEOUT is a 400 (it finishes unseen)."""
     so = getattr(params, "structured_outputs", None)
     manager = structured_output_manager(engine)
-    if so is None or manager is None:
-        return
+    if so is None or manager is None or so.key in manager.compiled:
+        return  # a cached grammar never waits behind another one's compile
     work = asyncio.get_running_loop().run_in_executor(COMPILER, manager.compile, so)
     try:
         await asyncio.wait_for(work, COMPILE_TIMEOUT)
