@@ -5,6 +5,7 @@ prompt-major, and vLLM's /tokenizer_info. The bodies are the ones lm-eval 0.4 se
 (recorded through a logging proxy, ../shared/notes/clients.md)."""
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -199,8 +200,8 @@ def test_a_response_too_large_is_refused_before_any_work(served):
 
 def test_a_large_answer_is_written_off_the_event_loop(served):
     """/health answers at once while a response of 800,000 log-probabilities is being
-    built and written as JSON (in a worker thread). Before, on the event loop, /health
-    waited 1.6 s for a response of 540,000; here it takes a few ms."""
+    built and written as JSON (in a worker thread, in pieces). Before, on the event
+    loop, /health waited 1.6 s for a response of 540,000; here it takes a few ms."""
     import threading
     import time
     url, _ = served
@@ -219,6 +220,33 @@ def test_a_large_answer_is_written_off_the_event_loop(served):
     worker.join()
     assert result["r"].status_code == 200 and len(result["r"].json()["choices"]) == 96
     assert slowest < 1.0, slowest
+
+
+def test_streamed_echo_logprobs_are_built_once_and_off_the_event_loop(served,
+                                                                      monkeypatch):
+    """A streamed echo with logprobs: each prompt's logprobs are built once for its n
+    answers (they were rebuilt for each), in a worker thread (they were built on the
+    event loop: /health waited 3.1 s behind a large one)."""
+    import asyncio
+
+    from minillm.serve import app
+    calls, build = [], app.echo_logprobs
+
+    def counted(*args):
+        calls.append(asyncio._get_running_loop() is None)  # True: off the loop
+        return build(*args)
+    monkeypatch.setattr(app, "echo_logprobs", counted)
+    url, _ = served
+    body = {"model": NAME, "prompt": [list(range(5, 105)), list(range(7, 57))],
+            "n": 8, "echo": True, "logprobs": 2, "max_tokens": 3, "temperature": 1.0,
+            "stream": True}
+    reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    chunks = [json.loads(line[6:]) for line in reply.text.splitlines()
+              if line.startswith("data: {")]
+    firsts = [c["choices"][0] for c in chunks if len(
+        (c["choices"][0]["logprobs"] or {}).get("tokens", ())) >= 50]
+    assert sorted(c["index"] for c in firsts) == list(range(16))  # every answer
+    assert calls == [True, True]  # once per prompt, each off the event loop
 
 
 def test_several_prompts_stream_prompt_major(served, offline):

@@ -652,6 +652,7 @@ class Choices:
         self.texts = [p if isinstance(p, str) else s.tokenizer.decode(i)
                       for p, i in zip(prompts, ids)] if body.echo else None
         self.offsets = {}  # (prompt, answer) -> where its next token starts
+        self.scored = {}  # prompt -> its echoed logprobs, built once for n answers
 
     def __call__(self, j: int, c) -> dict:
         s, body, key = self.s, self.body, (j, c.index)
@@ -664,9 +665,10 @@ class Choices:
                "stop_reason": None if self.only else c.stop_reason}
         self.offsets[key] += len(c.text)
         if body.echo and first:
-            scored = None if body.logprobs is None else echo_logprobs(
-                s, self.ids[j], self.streams[j].prompt_logprobs)
-            out = echoed(s, out, self.texts[j], scored, self.only)
+            if j not in self.scored:
+                self.scored[j] = None if body.logprobs is None else echo_logprobs(
+                    s, self.ids[j], self.streams[j].prompt_logprobs)
+            out = echoed(s, out, self.texts[j], self.scored[j], self.only)
         if body.prompt_logprobs is not None and first:  # vLLM's field, in the
             out["prompt_logprobs"] = (prompt_logprobs_json(self.streams[j])  # first
                                       if c.index == 0 else None)  # answer only
@@ -869,13 +871,23 @@ def event_stream(s: Server, streams: list[RequestStream], body, head: dict,
     with_usage = bool(options and options.include_usage)
     every = bool(options and options.continuous_usage_stats)  # the usage so far
 
+    heavy = (getattr(body, "echo", False) and getattr(body, "logprobs", None)
+             is not None) or getattr(body, "prompt_logprobs", None) is not None
+
+    def event(j: int, c) -> str:
+        extra = {"usage": usage.as_dict() if every else None}
+        return sse({**head, "choices": [choice(j, c)],
+                    **(extra if with_usage else {})})
+
     async def events():
         try:
             async for j, c in interleave(streams, usage):  # j: the prompt
-                if c.text or c.finish_reason or c.logprobs:
-                    extra = {"usage": usage.as_dict() if every else None}
-                    yield sse({**head, "choices": [choice(j, c)],
-                               **(extra if with_usage else {})})
+                if not (c.text or c.finish_reason or c.logprobs):
+                    continue
+                if heavy:  # a prompt's logprobs: built and written off the loop
+                    yield await asyncio.to_thread(event, j, c)
+                else:
+                    yield event(j, c)
             if with_usage:
                 yield sse({**head, "choices": [], "usage": usage.as_dict()})
         except APIError as e:  # a timeout, an error: the client raises it
