@@ -278,10 +278,10 @@ def test_malformed_constraints_are_400s_not_500s(server, so):
     url, _, backend = server
     reply = post(url, "/v1/completions", {"model": NAME, "prompt": PROMPT,
                                           "max_tokens": 2, "structured_outputs": so})
-    assert reply.status_code in (200, 400), reply.text  # xgrammar takes the regex
-    if reply.status_code == 400:
+    assert reply.status_code in (200, 400), reply.text  # the regex is legal: it may
+    if reply.status_code == 400:  # compile, or be too deep for the hand-built parser
         assert reply.json()["error"]["param"] == "structured_outputs", reply.text
-    assert reply.status_code == 400 or (backend == "xgrammar" and "regex" in so)
+    assert reply.status_code == 400 or "regex" in so
 
 
 def test_a_cached_grammar_never_waits_behind_another_compile(server):
