@@ -56,6 +56,7 @@ REGISTRIES: dict[str, dict[str, str] | tuple[str, ...]] = {
     "minillm.serve.async_engine.REQUEST_PREPARERS": {"compile_grammar":
                                                      "minillm.structured.serve"},
     "minillm.serve.app.CHAT_REPLIES": {"tools": "minillm.structured.serve"},
+    "minillm.serve.app.ROUTES": {"responses": "minillm.structured.responses"},  # 11
     "minillm.serve.app.HEALTH_CHECKS": {"tensor_parallel":                # chapter 13
                                         "minillm.parallel.serve"},
     "minillm.serve.cli.ENGINE_FLAGS": {

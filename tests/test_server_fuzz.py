@@ -1,8 +1,8 @@
 """Issue 71: no request body is ever answered 500. Hypothesis draws request bodies for
-/v1/completions and /v1/chat/completions (OpenAI's and vLLM's fields with legal, odd and
+/v1/completions, /v1/chat/completions and /v1/responses (OpenAI's and vLLM's fields with legal, odd and
 wrong values, unknown keys, nested junk) and sends them to a server of the bundled
 model: every answer is a 200 or a 4xx whose error says what is wrong, and the engine is
-empty afterwards. Bounded: 300 small requests per endpoint, about 25 s."""
+empty afterwards. Bounded: 300 small requests per endpoint, about 40 s."""
 from __future__ import annotations
 
 import json
@@ -90,9 +90,42 @@ CHAT = {**COMMON, "messages": field(st.lists(MESSAGE, min_size=1, max_size=4)),
         "parallel_tool_calls": field(st.booleans()),
         "logprobs": field(st.booleans()), "top_logprobs": field(SMALL),
         "max_completion_tokens": field(SMALL)}
+RTOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "function", "x"]),
+                               "name": st.sampled_from(["f", "g", "a b"])},
+                              optional={"parameters": st.one_of(st.just(SCHEMA), JUNK),
+                                        "strict": field(st.booleans())})
+ITEM = st.one_of(MESSAGE, st.fixed_dictionaries(
+    {"type": st.sampled_from(["function_call", "function_call_output", "message",
+                              "reasoning"])},
+    optional={"call_id": field(TEXT), "name": field(st.just("f")),
+              "arguments": field(st.just("{}"), TEXT), "output": field(TEXT),
+              "role": field(st.just("user")), "content": field(TEXT, st.just(
+                  [{"type": "input_text", "text": "hi"}]))}))
+RESPONSES = {
+    "model": field(st.just(NAME)), "input": field(TEXT, st.lists(ITEM, max_size=4)),
+    "instructions": field(TEXT), "max_output_tokens": field(SMALL),
+    "temperature": field(st.floats(-1, 3)), "top_p": field(st.floats(-0.5, 1.5)),
+    "stream": field(st.booleans()), "store": field(st.booleans()),
+    "tools": field(st.lists(RTOOL, max_size=3)),
+    "tool_choice": field(st.sampled_from(["auto", "none", "required", {
+        "type": "function", "name": "f"}, {"type": "function"}])),
+    "parallel_tool_calls": field(st.booleans()),
+    "text": field(st.sampled_from([
+        {"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+        {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}},
+        {"format": {"type": "json_schema"}}, {"verbosity": "low"}])),
+    "include": field(st.lists(st.sampled_from(["message.output_text.logprobs", "x"]),
+                              max_size=2)),
+    "top_logprobs": field(SMALL), "previous_response_id": field(TEXT),
+    "truncation": field(st.sampled_from(["auto", "disabled"])),
+    "reasoning": field(st.just({"effort": "low"})), "metadata": field(
+        st.dictionaries(TEXT, TEXT, max_size=3)), "user": field(TEXT),
+}
 BASE = {"/v1/completions": {"model": NAME, "prompt": "ROMEO:", "max_tokens": 3},
         "/v1/chat/completions": {"model": NAME, "max_tokens": 3, "messages": [
-            {"role": "user", "content": "What news?"}]}}
+            {"role": "user", "content": "What news?"}]},
+        "/v1/responses": {"model": NAME, "input": "What news?",
+                          "max_output_tokens": 3}}
 
 
 def bodies(path: str, fields: dict):
@@ -139,3 +172,9 @@ def test_no_completions_body_is_a_500(served, body):
 @given(body=bodies("/v1/chat/completions", CHAT))
 def test_no_chat_body_is_a_500(served, body):
     check(served[0], "/v1/chat/completions", body)
+
+
+@FUZZ
+@given(body=bodies("/v1/responses", RESPONSES))
+def test_no_responses_body_is_a_500(served, body):
+    check(served[0], "/v1/responses", body)

@@ -258,6 +258,27 @@ def test_a_forced_choice_answers_only_with_valid_calls(client, choice):
         assert {name for name, _ in calls} == {"get_weather"}
 
 
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_a_marker_cut_by_max_tokens_is_never_content(client, choice):
+    """Cut by max_tokens before a call's head is whole, the answer's end is the start
+    of the marker ("<tool_"): never content, streamed or not (it was, raw). Under
+    "required" every token is the call's, so content is always null."""
+    marker = "<tool_call>"
+    for n in (2, 6, 10, 14):
+        answer = ask(client, tool_choice=choice, max_tokens=n,
+                     messages=ASK if choice == "required" else [
+                         {"role": "user", "content": "Call get_time."}]).choices[0]
+        content = answer.message.content or ""
+        text, _, _ = streamed(client, tool_choice=choice, max_tokens=n,
+                              messages=ASK if choice == "required" else [
+                                  {"role": "user", "content": "Call get_time."}])
+        for got in (content, text):
+            assert not any(got.endswith(marker[:k]) for k in range(1, len(marker)))
+            assert marker not in got
+        if choice == "required":
+            assert answer.message.content is None and text == ""
+
+
 def test_a_call_cut_by_a_stop_string_is_not_a_finished_call(client):
     """A stop string inside a call ends the answer there: finish_reason "stop" (not
     "tool_calls"), the call so far in tool_calls, the same streamed or not."""

@@ -34,15 +34,15 @@ router = APIRouter()
 MAX_BODY_BYTES = 4 * 2**20  # a request body's default bound (build_app, 413)
 
 # %% auto #0
-__all__ = ['router', 'MAX_BODY_BYTES', 'HEALTH_CHECKS', 'LOGPROB_FLOOR', 'JSON', 'CHAT_REPLIES', 'Server', 'server', 'build_app',
-           'api_error', 'validation_error', 'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit', 'merged_chars',
-           'health', 'metrics', 'list_models', 'model_card', 'retrieve_model', 'version', 'tokenize', 'detokenize',
-           'tokenizer_info', 'docs', 'docs_page', 'submit', 'submit_all', 'prompt_list', 'one_prompt', 'check_text',
-           'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone', 'finite', 'token_text',
-           'raw_bytes', 'token_key', 'completion_logprobs', 'echo_logprobs', 'echoed', 'chat_logprobs',
+__all__ = ['router', 'MAX_BODY_BYTES', 'ROUTES', 'HEALTH_CHECKS', 'LOGPROB_FLOOR', 'JSON', 'CHAT_REPLIES', 'Server', 'server',
+           'build_app', 'api_error', 'validation_error', 'http_error', 'BearerKey', 'BodyLimit', 'prompt_char_limit',
+           'merged_chars', 'health', 'metrics', 'list_models', 'model_card', 'retrieve_model', 'version', 'tokenize',
+           'detokenize', 'tokenizer_info', 'docs', 'docs_page', 'submit', 'submit_all', 'prompt_list', 'one_prompt',
+           'check_text', 'rest_of_context', 'Usage', 'samples', 'until_disconnect', 'unless_gone', 'finite',
+           'token_text', 'raw_bytes', 'token_key', 'completion_logprobs', 'echo_logprobs', 'echoed', 'chat_logprobs',
            'prompt_logprobs_json', 'Sample', 'create_completion', 'completion_prompts', 'Choices', 'json_pieces',
-           'off_the_loop', 'add_delta', 'gather', 'gather_all', 'create_chat_completion', 'ChatReply', 'chat_reply',
-           'sse', 'event_stream', 'interleave', 'abort_all']
+           'off_the_loop', 'add_delta', 'gather', 'gather_all', 'create_chat_completion', 'start_chat', 'ChatReply',
+           'chat_reply', 'sse', 'event_stream', 'interleave', 'abort_all']
 
 # %% ../../chapters/09_serving.ipynb #s40b-app
 @dataclass
@@ -66,6 +66,10 @@ def server(request: Request) -> Server:
     return request.app.state.server
 
 # %% ../../chapters/09_serving.ipynb #s41-build
+# a later chapter's name -> an APIRouter with more routes (chapter 11: /v1/responses)
+ROUTES = Registry("minillm.serve.app.ROUTES")
+
+
 def build_app(engine, model_name: str = "minillm",
               request_timeout: float | None = None,
               max_waiting: int | None = None,
@@ -92,6 +96,8 @@ def build_app(engine, model_name: str = "minillm",
     app.state.server = Server(async_engine, metrics, model_name, engine.tokenizer,
                               engine.max_model_len, prompt_char_limit(engine))
     app.include_router(router)
+    for more in ROUTES.values():  # a later chapter's routes (/v1/responses)
+        app.include_router(more)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # 413 before reading
     if api_key is not None:  # added last, so it runs first: 401 before reading
         app.add_middleware(BearerKey, api_key=api_key)
@@ -742,6 +748,21 @@ async def gather_all(s: Server, streams: list, usage: Usage,
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     s = server(request)
     s.check_model(body.model)
+    reply, stream, usage = await start_chat(s, body)
+    head = {"id": f"chatcmpl-{stream.request_id}", "object": "chat.completion",
+            "created": int(time.time()), "model": s.model_name}
+    if body.stream:  # one prompt: the delta's j is 0
+        return event_stream(s, [stream], body, {**head, "object":
+                            "chat.completion.chunk"}, usage,
+                            lambda _, c: reply.delta(c))
+    answers = await unless_gone(request, s, [stream],
+                                gather(stream, usage, body.n))
+    return await off_the_loop(lambda: {**head, "choices": [
+        reply.choice(a) for a in answers], "usage": usage.as_dict()})
+
+
+async def start_chat(s: Server, body) -> tuple[ChatReply, RequestStream, Usage]:
+    """A chat request written for the model, checked, and handed to the engine."""
     reply = chat_reply(s, body)  # how the messages and the answer are written
     prompt_ids = await _chat_prompt(s, reply)  # the template's ids
     max_tokens, names = _chat_limits(s, body, prompt_ids)
@@ -751,17 +772,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                                   names, reply.handles, **reply.params())
     check_response_size(body, [len(prompt_ids)], max_tokens)
     stream = await submit(s, prompt_ids, params, names, body.request_extras())
-    usage, head = Usage(len(prompt_ids)), {
-        "id": f"chatcmpl-{stream.request_id}", "object": "chat.completion",
-        "created": int(time.time()), "model": s.model_name}
-    if body.stream:  # one prompt: the delta's j is 0
-        return event_stream(s, [stream], body, {**head, "object":
-                            "chat.completion.chunk"}, usage,
-                            lambda _, c: reply.delta(c))
-    answers = await unless_gone(request, s, [stream],
-                                gather(stream, usage, params.n))
-    return await off_the_loop(lambda: {**head, "choices": [
-        reply.choice(a) for a in answers], "usage": usage.as_dict()})
+    return reply, stream, Usage(len(prompt_ids))
 
 # %% ../../chapters/09_serving.ipynb #s49b-chat
 async def _chat_prompt(s: Server, reply,

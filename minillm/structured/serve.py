@@ -165,7 +165,9 @@ class ToolReply(ChatReply):
     def choice(self, a) -> dict:
         out = super().choice(a)
         if self.tools:
-            content, calls, cut = read_calls(a.text)
+            content, calls, cut = read_calls(a.text, a.finish_reason != "length")
+            if self.choice_kind in ("required", "named"):
+                content = None  # only calls are allowed: any text is markup
             out["message"] |= {"content": content, "tool_calls": calls}
             out["finish_reason"] = self.finish(a.finish_reason, calls, cut)
         return out
@@ -174,9 +176,11 @@ class ToolReply(ChatReply):
         out = super().delta(c)
         if self.tools:
             reader = self.readers.setdefault(c.index, ToolCallReader())
-            text, calls = reader.feed(c.text, last=c.finish_reason is not None)
-            if reader.calls and not text.strip():
-                text = ""  # the newline between calls is not content
+            text, calls = reader.feed(c.text, last=c.finish_reason not in (
+                None, "length"))  # cut: an end that may begin a marker is not text
+            if reader.calls and not text.strip() or self.choice_kind in (
+                    "required", "named"):
+                text = ""  # the newline between calls, or markup, is not content
             out["delta"].pop("content", None)
             out["delta"] |= ({"content": text} if text else {}) | (
                 {"tool_calls": calls} if calls else {})

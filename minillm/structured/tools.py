@@ -187,12 +187,13 @@ def held_back(text: str, marker: str) -> int:
                  if text.endswith(marker[:k])), 0)
 
 
-def read_calls(text: str) -> tuple[str | None, list[dict], bool]:
+def read_calls(text: str, last: bool = True) -> tuple[str | None, list[dict], bool]:
     """A whole answer, as the stream reads it: its text (beside calls: None if
     blank), its calls, and whether the last one was cut short (it is still
-    returned, with the arguments written so far, as OpenAI does)."""
+    returned, with the arguments written so far, as OpenAI does). last=False (cut
+    by max_tokens): an end that may be a marker's start is not text."""
     reader = ToolCallReader()
-    content, _ = reader.feed(text, last=True)
+    content, _ = reader.feed(text, last=last)
     cut = reader.open or TOOL_CALL in text[reader.read:]  # begun, never ended
     if reader.calls:  # the text around calls, if any, without their newlines
         content = content.strip() or None
