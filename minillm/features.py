@@ -34,7 +34,8 @@ REGISTRIES: dict[str, dict[str, str] | tuple[str, ...]] = {
                                             "minillm.engine.paged_scheduler"},
     "minillm.engine.llm_engine.REQUEST_EXTRAS": {"cache_salt":            # 6's appendix
                                                  "minillm.engine.cache_salt"},
-    "minillm.kv.paged.BLOCK_KEY_EXTRAS": {"cache_salt": "minillm.engine.cache_salt"},
+    "minillm.kv.paged.BLOCK_KEY_EXTRAS": {"cache_salt": "minillm.engine.cache_salt",
+                                          "prompt_logprobs": "minillm.kv.paged"},
     "minillm.engine.config.ENGINE_OPTIONS": {
         "cuda_graphs": "minillm.engine.graphs",                           # chapter 7
         "fuse_projections": "minillm.quant.fused",                              # its appendix

@@ -193,6 +193,50 @@ def test_prompt_logprobs_with_n_and_from_the_engines_steps(llm):
     assert seqs[0].prompt_logprobs is seqs[1].prompt_logprobs is not None
 
 
+def forwards(model) -> list:
+    """A counter of the model's forwards (a hook on the model)."""
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def test_prompt_logprobs_come_from_chunked_prefills_own_logits(llm):
+    """Issue 71, H1: add_request did a forward over the whole prompt on the engine
+    thread (2,000 prompt ids kept every other request waiting 17 s). Now the
+    prompt's log-probabilities come from the chunks' own logits: no forward in
+    add_request, one per step, equal to a plain forward's; a request beside it gets
+    its tokens while the long prompt is still being computed; the prefix cache
+    neither gives such a request blocks nor takes its blocks."""
+    ids = ids_of(llm, PROMPT * 40)  # ten chunks of 16
+    engine = LLMEngine(llm.engine.model, llm.get_tokenizer(), max_num_seqs=4,
+                       max_num_batched_tokens=16, max_model_len=512)
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1))  # cached
+    while engine.has_unfinished():
+        engine.step()
+    probe = engine.add_request(ids[:3], SamplingParams(temperature=0, max_tokens=6))
+    engine.step()  # the probe is decoding
+    calls = forwards(engine.model)
+    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=2,
+                                                 prompt_logprobs=3))
+    assert calls == []  # no work when it arrives
+    steps, probe_done_at = 0, None
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if probe_done_at is None and engine.requests[probe].is_finished:
+            probe_done_at = steps
+    assert len(calls) == steps  # one forward per step, none more
+    assert probe_done_at == 5 and steps > len(ids) // 16  # a token every step
+    got = engine.pop(rid).prompt_logprobs
+    logp = reference_logprobs(engine.model, ids)
+    assert len(got) == len(ids) and got[0] is None
+    for t in range(1, len(ids)):
+        for token, lp in got[t].items():
+            assert lp.logprob == pytest.approx(logp[t - 1, token].item(), abs=1e-4)
+        assert ids[t] in got[t] and len(got[t]) in (3, 4)
+    assert engine.kv.blocks.num_free == engine.kv.blocks.num_blocks
+
+
 def test_prompt_logprobs_is_bounded_as_logprobs():
     for bad in (-1, 21, 2.0, True):
         with pytest.raises(ValueError, match=r"prompt_logprobs=.*\[0, 20\]"):

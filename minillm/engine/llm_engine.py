@@ -11,7 +11,7 @@ import time
 from ..features import Registry
 from .config import EngineConfig
 from .outputs import CompletionOutput, RequestOutput, StepRecord
-from .runner import ModelRunner, prompt_logprobs
+from .runner import ModelRunner
 from .scheduler import make_scheduler
 from ..kv.base import make_kv
 from ..sampling import SamplingParams
@@ -115,7 +115,8 @@ def _add_request(self, prompt, params: SamplingParams | None = None,
                           arrival_time, self.max_model_len)  # max_tokens=None: the rest
     seq.extras = extras
     self._check_fits(seq)
-    self._prompt_logprobs(seq)  # only if asked: one forward over the prompt
+    if seq.params.prompt_logprobs is not None:  # filled by prefill's own logits
+        seq.prompt_logprobs = [None]  # (nothing predicts the first token)
     seqs = [seq] + [self._answer(seq, i) for i in range(1, seq.params.n)]
     self.groups[request_id] = seqs
     for s in seqs:
@@ -165,20 +166,8 @@ def _check_fits(self, seq: Sequence) -> None:
         check(self, seq)
 
 
-def _prompt_logprobs(self, seq: Sequence) -> None:
-    """SamplingParams(prompt_logprobs=k): the prompt's log-probs, computed once when
-    the request arrives (the runner's prompt_logprobs), each token with its text."""
-    k = seq.params.prompt_logprobs
-    if k is None:
-        return
-    seq.prompt_logprobs = prompt_logprobs(self.model, seq.prompt_ids, k)
-    for logprobs in seq.prompt_logprobs[1:]:
-        self._decode_logprobs(logprobs)
-
-
 LLMEngine._check_request, LLMEngine._check_fits = _check_request, _check_fits
 LLMEngine._taken = _taken
-LLMEngine._prompt_logprobs = _prompt_logprobs
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43b4-answers
 def _answer(self, seq: Sequence, i: int) -> Sequence:
@@ -254,6 +243,8 @@ def _take(self, seq: Sequence, token, now: float) -> tuple:
                 break
         return text, new, None
     logprobs = None
+    if seq.prompt_logprobs and not seq.output_ids:  # its first token: the prompt's
+        self._decode_prompt_logprobs(seq)           # log-probs are all there
     try:
         if isinstance(token, Exception):
             raise token  # its row could not be sampled
@@ -285,6 +276,14 @@ def _decode_logprobs(self, logprobs: dict) -> None:
     if self.tokenizer is not None:
         for token, lp in logprobs.items():
             lp.decoded_token = self.tokenizer.decode([token])
+
+
+def _decode_prompt_logprobs(self, seq: Sequence) -> None:
+    """The prompt's Logprobs get their texts, once (the n answers share them)."""
+    entries = seq.prompt_logprobs
+    if len(entries) > 1 and next(iter(entries[-1].values())).decoded_token is None:
+        for logprobs in entries[1:]:
+            self._decode_logprobs(logprobs)
 
 
 def _record(self, batch, start: float, end: float, useful: int,
@@ -324,6 +323,7 @@ def _end_siblings(self, seq: Sequence, outputs: dict, now: float) -> None:
 LLMEngine._take, LLMEngine._delta = _take, _delta
 LLMEngine._end_siblings = _end_siblings
 LLMEngine._decode_logprobs = _decode_logprobs
+LLMEngine._decode_prompt_logprobs = _decode_prompt_logprobs
 LLMEngine._record = _record
 LLMEngine.MAX_HISTORY = 100_000  # steps kept in history (the oldest half goes)
 

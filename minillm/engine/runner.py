@@ -10,7 +10,7 @@ from ..sampling import _pick, _scale, make_generator, sample
 from ..sequence import Logprob, Sequence, block_early_stop
 
 # %% auto #0
-__all__ = ['Forward', 'ModelRunner', 'token_logprobs', 'prompt_logprobs', 'SeenIds']
+__all__ = ['Forward', 'ModelRunner', 'token_logprobs', 'logit_positions', 'logprob_rows', 'SeenIds']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31-runner
 class Forward:
@@ -57,12 +57,12 @@ class ModelRunner:
             self.speculator.remove(seq)
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31d-runner
-def _prepare_packed(self, seqs: list[Sequence], num_new: list[int]):
+def _prepare_packed(self, seqs: list[Sequence], num_new: list[int], rows=None):
     """Every request's new tokens side by side in one row: [1, total], no padding.
 
     query_start_loc says where each request's tokens start in the row, seq_lens
     how many positions each one holds after the step; logits_index picks each
-    request's last new token."""
+    request's last new token (its last rows[i], for prompt_logprobs)."""
     ids, positions, slots, starts, lens = [], [], [], [0], []
     for s, n in zip(seqs, num_new):
         c, p = s.num_computed_tokens, len(s.prompt_ids)  # tokens c .. c+n-1,
@@ -72,8 +72,9 @@ def _prepare_packed(self, seqs: list[Sequence], num_new: list[int]):
         slots += self.kv.slots(s, c, c + n)
         starts.append(starts[-1] + n)
         lens.append(c + n)
-    meta = self._meta(seqs, [positions], [slots], lens,
-                      [end - 1 for end in starts[1:]])
+    rows = rows or [1] * len(seqs)
+    meta = self._meta(seqs, [positions], [slots], lens, [
+        i for end, r in zip(starts[1:], rows) for i in range(end - r, end)])
     meta.query_start_loc = self._tensor(starts)
     meta.seq_lens = self._tensor(lens)
     meta.cache["host"] = starts, lens  # attention's plan: no read from the device
@@ -136,12 +137,15 @@ def _run(self, batch) -> list:
 
 def _plain_step(self, batch) -> list:
     """Prepare, forward, finish: one new token per request that is due one."""
+    rows = [len(logit_positions(s, n)) for s, n in zip(batch.seqs, batch.num_new)]
     if batch.is_prefill:
-        input_ids, meta = self.prepare_packed(batch.seqs, batch.num_new)
+        input_ids, meta = self.prepare_packed(batch.seqs, batch.num_new, rows)
     else:
         input_ids, meta = self.prepare_decode(batch.seqs)
     self.last_tokens = input_ids.numel()  # what the forward computes
     logits = self.forward(input_ids, meta)[:, -1]
+    if len(logits) > len(batch.seqs):  # prompt_logprobs: more rows of the prompt
+        logits = self.take_prompt_logprobs(batch, logits, rows)
     return self.finish_step(batch, logits)
 
 
@@ -210,26 +214,56 @@ def _logprob_dict(token: int, row: list[float], k: int) -> dict:
     return out
 
 
-@torch.inference_mode()
-def prompt_logprobs(model, ids: list[int], k: int, chunk: int = 1024) -> list:
-    """vLLM's prompt_logprobs: None for the first token (nothing predicts it), then
-    for each next one {id: Logprob} with the prompt's token and the k most likely.
+def logit_positions(s: Sequence, n: int) -> range:
+    """The positions of a request's chunk (n tokens from num_computed_tokens) whose
+    logits the step needs: the last (it gives the next token) and, with vLLM's
+    prompt_logprobs, each one whose prompt token's log-probability is still
+    missing (position t gives token t + 1's). No second forward: the chunk's own.
+    Answer 0 computes them for all n (the others share its list)."""
+    c, have = s.num_computed_tokens, len(s.prompt_logprobs or ())
+    first = c + n - 1  # entry i of prompt_logprobs is prompt token i's (0: None)
+    if s.prompt_logprobs is not None and s.index == 0 and have < len(s.prompt_ids):
+        first = min(max(c, have - 1), first)
+    return range(first, c + n)
+
+
+def _take_prompt_logprobs(self, batch, logits: torch.Tensor, rows: list) -> torch.Tensor:
+    """Each request's rows before its last give the prompt tokens after them: they
+    are appended to seq.prompt_logprobs (answer 0's, the list its n answers
+    share). Returns each request's last row, to sample."""
+    at, last = 0, []
+    for s, n, r in zip(batch.seqs, batch.num_new, rows):
+        first = s.num_computed_tokens + n - r  # the position of its first row
+        lo = len(s.prompt_logprobs or ()) - 1 - first  # rows already counted
+        hi = min(r, len(s.prompt_ids) - 1 - first)  # rows past the prompt: none
+        if r > 1 and hi > lo >= 0:
+            actual = s.prompt_ids[first + lo + 1:first + hi + 1]
+            s.prompt_logprobs += logprob_rows(logits[at + lo:at + hi], actual,
+                                              s.params.prompt_logprobs)
+        at += r
+        last.append(at - 1)
+    return logits[last]
+
+
+def logprob_rows(logits: torch.Tensor, actual: list[int], k: int,
+                 chunk: int = 1024) -> list[dict]:
+    """{id: Logprob} for each row: the actual next token's and the k most likely.
     From the model's raw logits (no penalties, no temperature), log_softmax in
-    float32, over one forward of the whole prompt (no cache), `chunk` rows at once."""
-    device = model.embed_tokens.weight.device
-    tokens = torch.tensor([ids], device=device)
-    logits = model(tokens, torch.arange(len(ids), device=device)[None])[0, :-1]
-    out = [None]
-    for start in range(0, len(ids) - 1, chunk):
+    float32, `chunk` rows at once."""
+    out = []
+    for start in range(0, len(actual), chunk):
         logp = logits[start:start + chunk].float().log_softmax(-1)
-        actual = tokens[0, start + 1:start + 1 + chunk]
-        chosen = logp.gather(-1, actual[:, None])  # what position t gave token t+1
+        ids = torch.tensor(actual[start:start + chunk], device=logits.device)
+        chosen = logp.gather(-1, ids[:, None])  # what position t gave token t+1
         rank = (logp > chosen).sum(-1, keepdim=True) + 1
         best, best_ids = logp.topk(k, dim=-1)
-        rows = torch.cat([chosen.double(), rank.double(), best.double(),
-                          best_ids.double()], dim=-1).tolist()
-        out += [_logprob_dict(t, r, k) for t, r in zip(actual.tolist(), rows)]
+        table = torch.cat([chosen.double(), rank.double(), best.double(),
+                           best_ids.double()], dim=-1).tolist()
+        out += [_logprob_dict(t, r, k) for t, r in zip(ids.tolist(), table)]
     return out
+
+
+ModelRunner.take_prompt_logprobs = _take_prompt_logprobs
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31j-runner
 def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:

@@ -57,9 +57,20 @@ def extra_key(seq: Sequence) -> bytes:
     parts = [p for p in parts if p[1] is not None]
     return hashlib.sha256(repr(parts).encode()).digest() if parts else b""
 
+
+def own_key(seq: Sequence) -> tuple | None:
+    """The answer that computes a request's prompt_logprobs (answer 0) needs the
+    logits of every prompt position, so it shares no cached block either way
+    (vLLM skips the prefix cache for it too): its key is its own."""
+    if seq.params.prompt_logprobs is not None and seq.index == 0:
+        return seq.request_id, seq.arrival_time
+
+
+BLOCK_KEY_EXTRAS["prompt_logprobs"] = own_key
+
 # %% auto #0
-__all__ = ['BLOCK_KEY_EXTRAS', 'DEFAULT_KV_SPACE', 'TokenView', 'token_ids', 'extra_key', 'PagedKVCache', 'weights_version',
-           'check_utilization', 'check_paged_options', 'kv_bytes_from_memory', 'profile_kv_bytes',
+__all__ = ['BLOCK_KEY_EXTRAS', 'DEFAULT_KV_SPACE', 'TokenView', 'token_ids', 'extra_key', 'own_key', 'PagedKVCache',
+           'weights_version', 'check_utilization', 'check_paged_options', 'kv_bytes_from_memory', 'profile_kv_bytes',
            'default_pool_blocks', 'paged_cache']
 
 # %% ../../chapters/06_paged_attention.ipynb #c30-paged

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.runner import logit_positions
 from ..sampling import NonFiniteLogitsError
 from ..sequence import Sequence
 from .proposers import Drafted
@@ -53,6 +54,9 @@ class Speculator:
         self.stats = SpecDecodingStats()
 
     def step(self, runner, batch) -> list:
+        if any(len(logit_positions(s, n)) > 1  # a prompt's rows (prompt_logprobs):
+               for s, n in zip(batch.seqs, batch.num_new)):  # no drafts this step
+            return runner.plain_step(batch)
         drafts, q = self.propose(runner, batch)
         if not any(drafts):
             return runner.plain_step(batch)
