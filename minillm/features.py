@@ -33,7 +33,9 @@ REGISTRIES: dict[str, dict[str, str] | tuple[str, ...]] = {
     "minillm.engine.scheduler.SCHEDULERS": {"paged":                      # chapter 6
                                             "minillm.engine.paged_scheduler"},
     "minillm.engine.llm_engine.REQUEST_EXTRAS": {"cache_salt":            # 6's appendix
-                                                 "minillm.engine.cache_salt"},
+                                                 "minillm.engine.cache_salt",
+                                                 "follows":               # chapter 4
+                                                 "minillm.engine.llm_engine"},
     "minillm.kv.paged.BLOCK_KEY_EXTRAS": {"cache_salt": "minillm.engine.cache_salt",
                                           "prompt_logprobs": "minillm.kv.paged"},
     "minillm.engine.config.ENGINE_OPTIONS": {

@@ -310,3 +310,32 @@ def test_a_request_of_128_answers_leaves_rows_to_a_request_of_one(model, kv_cach
         engine.step()
     assert all(len(a.output_ids) == 20 for a in engine.pop(
         next(r for r in engine.groups if r != "short")))
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 32])
+def test_a_list_of_prompts_leaves_rows_to_a_request_of_one(model, max_num_seqs):
+    """Issue 71, M2: a server's list of 128 prompts is 128 requests; they held every
+    row, and a 1-token request waited for them. The later prompts follow the first
+    (add_request(..., follows=...)) and ride along as n > 1's extra answers do: with
+    the first they leave an eighth of the rows (at least one), so the short request
+    finishes in the next step. (The rule counted the extras alone: on 8 rows n=8
+    left none.)"""
+    from minillm.engine.llm_engine import LLMEngine
+    from minillm.sampling import SamplingParams
+    engine = LLMEngine(model, max_num_seqs=max_num_seqs, max_model_len=64)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    first = engine.add_request([5, 6, 7, 8], params)
+    for i in range(127):
+        engine.add_request([5, 6, 7, 9 + i % 5], params, follows=first)
+    engine.step()
+    engine.add_request([5, 6, 7], greedy(1), request_id="short")
+    steps = 0
+    while not engine.is_finished("short"):
+        engine.step()
+        steps += 1
+        assert len(engine.scheduler.running) <= max_num_seqs
+    assert steps == 1
+    with pytest.raises(ValueError, match="follows=5: give the id"):
+        engine.add_request([5, 6], params, follows=5)
+    while engine.has_unfinished():
+        engine.step()

@@ -113,6 +113,26 @@ def test_a_list_of_prompts_is_answered_prompt_major(served, offline):
     assert wait_idle(url)
 
 
+def test_a_list_of_prompts_follows_its_first_prompt(served, monkeypatch):
+    """Issue 71, M2: the prompts after the first are sent to the engine as following
+    the first (chapter 4's scheduler lets them ride along, as n > 1's extra answers,
+    so the list cannot hold every row while another client waits)."""
+    url, llm = served
+    sent = []
+    add = llm.engine.add_request
+
+    def spy(prompt, params=None, request_id=None, arrival_time=None, **extras):
+        rid = add(prompt, params, request_id, arrival_time, **extras)
+        sent.append((rid, extras))
+        return rid
+    monkeypatch.setattr(llm.engine, "add_request", spy)
+    r = httpx.post(url + "/v1/completions", json={
+        "model": NAME, "prompt": ["ROMEO:", "JULIET:", "NURSE:"], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    (first, own), *rest = sent
+    assert "follows" not in own and [e["follows"] for _, e in rest] == [first] * 2
+
+
 def test_a_streamed_echo_sends_the_prompt_first(served):
     url, _ = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)

@@ -37,6 +37,19 @@ def check_extras(extras: dict) -> dict:
     return {k: known[k](v) for k, v in extras.items() if v is not None}
 
 
+def check_follows(request_id) -> str:
+    """add_request(..., follows=request_id): this request was sent with others, after
+    that one (a server's list of prompts); the scheduler lets it ride along, as
+    an extra answer of n > 1 (it leaves others their share of the rows)."""
+    if not isinstance(request_id, str):
+        raise ValueError(f"follows={request_id!r:.60}: give the id (a string) of "
+                         "the first request of the group")
+    return request_id
+
+
+REQUEST_EXTRAS["follows"] = check_follows
+
+
 def check_model_and_tokenizer(model, tokenizer) -> None:
     """What LLMEngine is given to run: a minillm Transformer, and a tokenizer (or
     None, for token ids only)."""
@@ -70,7 +83,8 @@ def runner_parts(engine, cfg: EngineConfig) -> dict:
     return parts
 
 # %% auto #0
-__all__ = ['REQUEST_CHECKS', 'REQUEST_EXTRAS', 'check_extras', 'check_model_and_tokenizer', 'runner_parts', 'LLMEngine']
+__all__ = ['REQUEST_CHECKS', 'REQUEST_EXTRAS', 'check_extras', 'check_follows', 'check_model_and_tokenizer', 'runner_parts',
+           'LLMEngine']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c43-engine
 class LLMEngine:

@@ -22,7 +22,7 @@ def check_scheduler_args(policy, enable_chunked_prefill) -> None:
                          "must be True or False")
 
 # %% auto #0
-__all__ = ['SCHEDULERS', 'check_policy', 'check_scheduler_args', 'Batch', 'Scheduler', 'make_scheduler']
+__all__ = ['SCHEDULERS', 'check_policy', 'check_scheduler_args', 'Batch', 'Scheduler', 'rides_along', 'make_scheduler']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21-scheduler
 @dataclass
@@ -113,13 +113,14 @@ Scheduler.chunk = _chunk
 # %% ../../chapters/04_continuous_batching.ipynb #c21g-scheduler
 def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:
     """Waiting requests, FIFO, while they fit: each one's tokens go to num_new.
-    The extra answers of n > 1 requests (index > 0) leave an eighth of the
-    rows to others: a request behind them takes such a row ahead of them."""
+    Requests that ride along another (rides_along: n > 1's extra answers, a
+    prompt list's later prompts) leave an eighth of the rows to others: a request
+    behind them takes such a row ahead of them."""
     admitted: list[Sequence] = []
     while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
         seq = self.waiting[0]  # FIFO: nobody overtakes the head, but
-        if seq.index > 0 and not self.extra_room():  # an n > 1 request's extras
-            seq = next((s for s in self.waiting if s.index == 0), None)
+        if rides_along(seq) and not self.extra_room():  # n > 1's extras, ...
+            seq = next((s for s in self.waiting if not rides_along(s)), None)
             if seq is None:
                 break
         todo = seq.num_tokens - self.kv.cached_tokens(seq)  # to compute
@@ -140,11 +141,18 @@ def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:
 
 
 def _extra_room(self) -> bool:
-    """May one more extra answer (index > 0) of an n > 1 request run? Extras leave
-    an eighth of the rows (at least one) free, so n=128 cannot hold the whole
-    batch while a request of one answer waits."""
-    extras = sum(s.index > 0 for s in self.running)
-    return extras < max(1, self.max_num_seqs - max(1, self.max_num_seqs // 8))
+    """May one more request that rides along another run? With the one they ride
+    along, they leave an eighth of the rows (at least one) free, so n=128 or a
+    list of 128 prompts cannot hold the whole batch while a request of one
+    answer waits."""
+    extras = sum(rides_along(s) for s in self.running)
+    return extras + 1 < max(2, self.max_num_seqs - max(1, self.max_num_seqs // 8))
+
+
+def rides_along(seq: Sequence) -> bool:
+    """An extra answer of an n > 1 request, or a request sent together with others
+    after the first (add_request(..., follows=request_id): a server's prompt list)."""
+    return seq.index > 0 or "follows" in seq.extras
 
 
 Scheduler._admit, Scheduler.extra_room = _admit, _extra_room

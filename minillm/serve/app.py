@@ -376,12 +376,16 @@ async def submit(s: Server, prompt_ids: list[int], params, names: dict,
 
 async def submit_all(s: Server, ids: list[list[int]], params,
                      extras: dict | None = None) -> list:
-    """Each prompt as its own request; if one is refused, the others are
-    aborted (nothing is left running for an answer nobody will read)."""
+    """Each prompt as its own request, the later ones following the first (they
+    leave others their share of the rows, as n > 1's extra answers do); if one is
+    refused, the others are aborted (nothing is left running for an answer nobody
+    will read)."""
     streams = []
     try:
         for prompt_ids in ids:
-            streams.append(await submit(s, prompt_ids, params, {}, extras))
+            more = {"follows": streams[0].request_id} if streams else {}
+            streams.append(await submit(s, prompt_ids, params, {},
+                                        (extras or {}) | more))
     except BaseException:
         for stream in streams:
             s.engine.abort(stream.request_id)
