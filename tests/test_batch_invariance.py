@@ -232,3 +232,34 @@ def test_completions_under_concurrent_load_give_the_same_logprobs(shaped):
         first = logprobs(client, [ids(rng, rng.randint(8, 60)) for _ in range(3)])
         second = logprobs(client, [ids(rng, rng.randint(8, 60)) for _ in range(7)])
     assert len(first) == 16 and first == second
+
+
+def test_a_long_prompt_runs_in_short_chunks_and_a_decoding_request_keeps_going(shaped):
+    """Issue 71, M3: the fixed-order attention costs a chunk's tokens x its context,
+    and the mode kept the engine's 2,048-token chunk (one chunk of a long prompt
+    took about 40 s on SmolLM2). The mode's default chunk is 256 tokens
+    (INVARIANT_CHUNK; max_num_batched_tokens still overrides it), and a request that
+    is decoding gets a token every step while a 1,500-token prompt is computed.
+    (Its attention is two matrix products of one shape per page, not an
+    elementwise product over every key: test_fixed_order_attention_... holds it to
+    SDPA's values and its own bits.)"""
+    from minillm.engine.llm_engine import LLMEngine
+    from minillm.invariant.engine import INVARIANT_CHUNK
+    model = LLM(shaped[0], shaped[1], **ON).engine.model
+    engine = LLMEngine(model, max_num_seqs=4, max_model_len=2048, **ON)
+    assert engine.scheduler.max_num_batched_tokens == INVARIANT_CHUNK == 256
+    assert LLMEngine(model, max_num_seqs=4, max_model_len=2048,
+                     max_num_batched_tokens=512,
+                     **ON).scheduler.max_num_batched_tokens == 512
+    probe_id = engine.add_request(PROMPT[:5], SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.add_request(ids(random.Random(1), 1500), SamplingParams(
+        temperature=0, max_tokens=1))
+    for _ in range(7):
+        before = len(engine.requests[probe_id].output_ids)
+        engine.step()
+        assert len(engine.requests[probe_id].output_ids) == before + 1
+        assert engine.history[-1].tokens <= INVARIANT_CHUNK
+    while engine.has_unfinished():
+        engine.step()

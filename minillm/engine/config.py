@@ -28,13 +28,15 @@ class EngineOption:
     of the runner (runner_parts); `excludes`: options it cannot go with;
     `needs`: the values it needs of the config's fields or of other options
     (chapter 10: {"policy": "continuous"}; {"compile_decode": True}); `part`: which
-    part of the engine it changes, for describe() (one of PARTS)."""
+    part of the engine it changes, for describe() (one of PARTS); `defaults`: the
+    config's fields it sets when they are left out (chapter 12: a shorter chunk)."""
     check: Callable
     apply: Callable
     order: int
     excludes: tuple[str, ...] = ()
     needs: tuple[tuple[str, object], ...] = ()
     part: str = "model"
+    defaults: tuple[tuple[str, object], ...] = ()
 
 
 # by name (chapters 7, 10, 11)
@@ -45,11 +47,13 @@ PARTS = ("model", "forward", "speculator", "processors")  # what an option chang
 
 def register_engine_option(name: str, check: Callable, apply: Callable, order: int,
                            excludes: tuple[str, ...] = (),
-                           needs: dict | None = None, part: str = "model") -> None:
+                           needs: dict | None = None, part: str = "model",
+                           defaults: dict | None = None) -> None:
     if part not in PARTS:
         raise ValueError(f"part={part!r}: allowed {PARTS}")
     ENGINE_OPTIONS[name] = EngineOption(check, apply, order, tuple(excludes),
-                                        tuple((needs or {}).items()), part)
+                                        tuple((needs or {}).items()), part,
+                                        tuple((defaults or {}).items()))
 
 # %% auto #0
 __all__ = ['MAX_NUM_SEQS', 'ENGINE_OPTIONS', 'PARTS', 'FIELDS', 'EngineOption', 'register_engine_option', 'EngineConfig',
@@ -106,13 +110,6 @@ def check_engine_config(c: EngineConfig) -> None:
     if c.max_model_len > c.context_length:
         raise ValueError(f"max_model_len={c.max_model_len} is larger than the "
                          f"model's context of {c.context_length} positions")
-    if c.max_num_batched_tokens is None:
-        c.max_num_batched_tokens = max(2048, c.max_model_len, c.max_num_seqs)
-    check_int("max_num_batched_tokens", c.max_num_batched_tokens)
-    if c.max_num_batched_tokens < c.max_num_seqs:  # every running request: a token
-        raise ValueError(f"max_num_batched_tokens={c.max_num_batched_tokens} is "
-                         f"less than max_num_seqs={c.max_num_seqs}: each step gives "
-                         "every running request a token")
     backends = KV_BACKENDS
     name = DEFAULT_KV_CACHE[c.policy] if c.kv_cache is None else c.kv_cache
     if not isinstance(name, str) or name not in backends:
@@ -137,6 +134,16 @@ def check_engine_config(c: EngineConfig) -> None:
             if got != value and not (value is True and got is not None):  # True: on
                 raise ValueError(f"{name} needs {other}={value!r}: add it, or "
                                  f"leave {name} out")
+        for field_name, value in option.defaults:  # what it sets, unless given
+            if getattr(c, field_name) is None:  # (a value, or one made from c)
+                setattr(c, field_name, value(c) if callable(value) else value)
+    if c.max_num_batched_tokens is None:
+        c.max_num_batched_tokens = max(2048, c.max_model_len, c.max_num_seqs)
+    check_int("max_num_batched_tokens", c.max_num_batched_tokens)
+    if c.max_num_batched_tokens < c.max_num_seqs:  # every running request: a token
+        raise ValueError(f"max_num_batched_tokens={c.max_num_batched_tokens} is "
+                         f"less than max_num_seqs={c.max_num_seqs}: each step gives "
+                         "every running request a token")
 
 # %% ../../chapters/04_continuous_batching.ipynb #c42a-config-describe
 def chapter_of(obj) -> str:

@@ -20,8 +20,14 @@ def apply_batch_invariance(engine, _) -> None:
     make_batch_invariant(engine.model)
 
 
+# A chunk's fixed-order attention costs its tokens x its context, so the mode's
+# default chunk is shorter than the engine's 2,048 tokens (a long prompt's chunk
+# would keep everyone else waiting); max_num_batched_tokens=... still overrides it.
+INVARIANT_CHUNK = 256
 register_engine_option("batch_invariant", batch_invariant_option,
-                       apply_batch_invariance, order=5, excludes=("compile_decode",))
+                       apply_batch_invariance, order=5, excludes=("compile_decode",),
+                       defaults={"max_num_batched_tokens": lambda c: max(
+                           INVARIANT_CHUNK, c.max_num_seqs)})
 
 # %% auto #0
-__all__ = ['batch_invariant_option', 'apply_batch_invariance']
+__all__ = ['INVARIANT_CHUNK', 'batch_invariant_option', 'apply_batch_invariance']

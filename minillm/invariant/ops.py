@@ -45,29 +45,34 @@ class FixedRowsLinear(nn.Module):
 
 # %% ../../chapters/12_batch_invariance.ipynb #b42-attention
 def fixed_order_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          positions: torch.Tensor, page: int = 16) -> torch.Tensor:
+                          positions: torch.Tensor, page: int = 16,
+                          block: int = 4) -> torch.Tensor:
     """q [B, heads, T, d] over k, v [B, kv_heads, S, d]: query t of row b sees keys
-    0 .. positions[b, t]. Every sum has one order whatever S, B or T: over d, within
-    a page of `page` keys, then page after page. Computed in float32."""
+    0 .. positions[b, t]. Every sum has one order whatever S, B or T: matrix
+    products of one shape (`block` queries, padded, against a page of `page`
+    keys), then page after page. Computed in float32."""
     B, H, T, d = q.shape
     KVH, S = k.shape[1], k.shape[2]
     G, P = H // KVH, -(-S // page)  # query heads per KV head; pages
-    k, v = (F.pad(t.float(), (0, 0, 0, P * page - S)).reshape(B, KVH, 1, P, page, d)
+    k, v = (F.pad(t.float(), (0, 0, 0, P * page - S)).reshape(B, KVH, P, page, d)
             for t in (k, v))
-    keys = torch.arange(P * page, device=q.device).view(P, page)
+    keys = torch.arange(P * page, device=q.device).view(1, 1, P, 1, page)
     out = torch.empty_like(q)
-    for t in range(0, T, page):  # 16 queries at a time: bounded memory
-        n = min(page, T - t)
-        qt = q[:, :, t:t + n].float().reshape(B, KVH, G * n, 1, 1, d)  # GQA's rows
-        pos = positions[:, None, None, t:t + n].expand(B, 1, G, n).reshape(
-            B, 1, G * n, 1, 1)
-        scores = ((qt * k).sum(-1) / math.sqrt(d)).masked_fill(keys > pos, -math.inf)
-        w = torch.exp(scores - scores.amax((-1, -2), keepdim=True))
-        total = w.sum(-1).cumsum(-1)                    # page after page
-        acc = (w[..., None] * v).sum(-2).cumsum(-2)     # [B, KVH, G*n, P, d]
-        last = (pos[..., 0] // page).expand(B, KVH, G * n, 1)  # a query's own page
-        o = acc.gather(3, last[..., None].expand(-1, -1, -1, -1, d))[..., 0, :]
-        out[:, :, t:t + n] = (o / total.gather(3, last)).reshape(B, H, n, d)
+    for t in range(0, T, block):  # a few queries at a time, padded: one shape
+        n = min(block, T - t)
+        qt = F.pad(q[:, :, t:t + n].float(), (0, 0, 0, block - n))
+        qt = qt.reshape(B, KVH, 1, G * block, d)  # GQA: a KV head's query rows
+        pos = F.pad(positions[:, t:t + n], (0, block - n))[:, None, :].expand(
+            B, G, block).reshape(B, 1, 1, G * block, 1)
+        scores = (qt @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(
+            keys > pos, -math.inf)  # [B, KVH, P, G * block, page]: page by page
+        w = torch.exp(scores - scores.amax((2, -1), keepdim=True))
+        total = w.sum(-1).transpose(2, 3).contiguous().cumsum(-1)  # page after
+        acc = (w @ v).permute(0, 1, 3, 4, 2).contiguous().cumsum(-1)   # page
+        last = (pos[:, :, 0, :, 0] // page).expand(B, KVH, G * block)  # own page
+        o = acc.gather(-1, last[..., None, None].expand(-1, -1, -1, d, 1))[..., 0]
+        o = o / total.gather(-1, last[..., None])
+        out[:, :, t:t + n] = o.reshape(B, H, block, d)[:, :, :n]
     return out
 
 # %% ../../chapters/12_batch_invariance.ipynb #b46-adapter
