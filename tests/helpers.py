@@ -165,6 +165,19 @@ def compiling():
     assert counters["stats"]["unique_graphs"] > graphs, "torch.compile made no graph"
 
 
+@contextlib.contextmanager
+def serving(llm, name: str):
+    """(url, llm) of a server of `llm` while the block runs; afterwards the engine
+    must hold no request and every KV block must be free."""
+    from minillm.serve.app import build_app
+    from minillm.serve.cli import BackgroundServer
+    with BackgroundServer(build_app(llm, name)) as server:
+        yield server.url, llm
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    blocks = llm.engine.kv.blocks
+    assert blocks.num_free == blocks.num_blocks
+
+
 def post(url: str, path: str, body, headers=None, **kw):
     """POST a JSON body (or raw bytes) to a test server. json.dumps escapes a lone
     surrogate as JSON may, which httpx's json= cannot."""

@@ -15,11 +15,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from helpers import post  # noqa: E402
+from helpers import post, serving  # noqa: E402
 from test_serve import NAME, tiny_llm  # noqa: E402
-
-from minillm.serve.app import build_app  # noqa: E402
-from minillm.serve.cli import BackgroundServer  # noqa: E402
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather now",
            "parameters": {"type": "object", "properties": {
@@ -32,12 +29,8 @@ ASK = "What is the weather in Paris?"
 
 @pytest.fixture(scope="module")
 def served():
-    llm = tiny_llm(max_num_seqs=4)
-    with BackgroundServer(build_app(llm, NAME)) as server:
-        yield server.url, llm
-    assert not llm.engine.requests and not llm.engine.has_unfinished()
-    blocks = llm.engine.kv.blocks
-    assert blocks.num_free == blocks.num_blocks
+    with serving(tiny_llm(max_num_seqs=4), NAME) as both:
+        yield both
 
 
 @pytest.fixture
