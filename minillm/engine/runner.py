@@ -227,7 +227,8 @@ def logit_positions(s: Sequence, n: int) -> range:
     return range(first, c + n)
 
 
-def _take_prompt_logprobs(self, batch, logits: torch.Tensor, rows: list) -> torch.Tensor:
+def _take_prompt_logprobs(self, batch, logits: torch.Tensor,
+                          rows: list) -> torch.Tensor:
     """Each request's rows before its last give the prompt tokens after them: they
     are appended to seq.prompt_logprobs (answer 0's, the list its n answers
     share). Returns each request's last row, to sample."""
