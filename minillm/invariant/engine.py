@@ -23,11 +23,19 @@ def apply_batch_invariance(engine, _) -> None:
 # A chunk's fixed-order attention costs its tokens x its context, so the mode's
 # default chunk is shorter than the engine's 2,048 tokens (a long prompt's chunk
 # would keep everyone else waiting); max_num_batched_tokens=... still overrides it.
+# Without chunks (static batching, or chunked prefill off) a step must hold a whole
+# prompt: the engine's default stays.
 INVARIANT_CHUNK = 256
+
+
+def invariant_chunk(c) -> int | None:
+    chunked = c.enable_chunked_prefill and c.policy != "static"
+    return max(INVARIANT_CHUNK, c.max_num_seqs) if chunked else None
+
+
 register_engine_option("batch_invariant", batch_invariant_option,
                        apply_batch_invariance, order=5, excludes=("compile_decode",),
-                       defaults={"max_num_batched_tokens": lambda c: max(
-                           INVARIANT_CHUNK, c.max_num_seqs)})
+                       defaults={"max_num_batched_tokens": invariant_chunk})
 
 # %% auto #0
-__all__ = ['INVARIANT_CHUNK', 'batch_invariant_option', 'apply_batch_invariance']
+__all__ = ['INVARIANT_CHUNK', 'batch_invariant_option', 'apply_batch_invariance', 'invariant_chunk']
