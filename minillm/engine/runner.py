@@ -137,8 +137,9 @@ def _run(self, batch) -> list:
 
 def _plain_step(self, batch) -> list:
     """Prepare, forward, finish: one new token per request that is due one."""
-    rows = [len(logit_positions(s, n)) for s, n in zip(batch.seqs, batch.num_new)]
-    if batch.is_prefill:
+    rows = None  # decode: one row per request
+    if batch.is_prefill:  # prompt_logprobs may want more rows of a prompt
+        rows = [len(logit_positions(s, n)) for s, n in zip(batch.seqs, batch.num_new)]
         input_ids, meta = self.prepare_packed(batch.seqs, batch.num_new, rows)
     else:
         input_ids, meta = self.prepare_decode(batch.seqs)

@@ -54,8 +54,8 @@ class Speculator:
         self.stats = SpecDecodingStats()
 
     def step(self, runner, batch) -> list:
-        if any(len(logit_positions(s, n)) > 1  # a prompt's rows (prompt_logprobs):
-               for s, n in zip(batch.seqs, batch.num_new)):  # no drafts this step
+        rows = zip(batch.seqs, batch.num_new)  # a prompt's rows (prompt_logprobs):
+        if batch.is_prefill and any(len(logit_positions(s, n)) > 1 for s, n in rows):
             return runner.plain_step(batch)
         drafts, q = self.propose(runner, batch)
         if not any(drafts):
