@@ -82,16 +82,37 @@ def short_path(path: str | Path) -> str:
     return path.name
 
 # %% auto #0
-__all__ = ['check_int', 'pick_device', 'synchronize', 'repo_root', 'bundled_model_path', 'short_path', 'attempt', 'rejects']
+__all__ = ['check_int', 'pick_device', 'synchronize', 'repo_root', 'bundled_model_path', 'short_path', 'attempt', 'run_on',
+           'rejects']
 
 # %% ../chapters/00_overview.ipynb #c054y-attempt
-def attempt(check, yours, books) -> str:
-    """An exercise's test, run on your function; until yours is written (it raises
-    NotImplementedError), on the book's: the test is shown to pass either way."""
+def attempt(check, yours, books, hint: str = ""):
+    """An exercise's test, run on your function. Returns the function the rest of
+    the chapter runs on: yours once it passes; the book's while yours is not
+    written (it raises NotImplementedError) or when it fails, and then the test's
+    message (what it expected, what came back) and the hint are printed."""
     try:
-        return f"yours: {check(yours)}"
+        print(f"yours passes: {check(yours)}")
+        return yours
     except NotImplementedError:
-        return f"not written yet; the book's: {check(books)}"
+        print(f"not written yet; the book's passes: {check(books)}")
+    except Exception as error:  # a wrong answer, or one that crashes
+        print(f"yours fails: {type(error).__name__}: {error}")
+        if hint:
+            print(f"hint: {hint}")
+        print(f"the book's passes: {check(books)}; the chapter goes on with the book's")
+    return books
+
+
+def run_on(fn, name: str, *owners) -> None:
+    """From here on `fn` is `name` in each owner (a class or a module: the
+    notebook's own and the package's), so the rest of the chapter, the engine
+    included, runs on it. In this session only: the package's files stay the
+    book's."""
+    for owner in owners:
+        setattr(owner, name, fn)
+    who = "your" if fn.__name__.startswith("my_") else "the book's"
+    print(f"from here on, the chapter runs on {who} {name.strip('_')}")
 
 
 def rejects(check, wrong) -> bool:

@@ -41,6 +41,40 @@ def test_notebook_is_committed_clean(path):
     assert not dirty, f"{path.name}: cells {dirty} have outputs or execution counts; run `make clean-notebooks`"
 
 
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_hidden_cells_are_folded_where_the_reader_runs_them(path):
+    """Issue 72: a cell the website folds (hide-input, hide-cell) is folded in
+    JupyterLab (jupyter.source_hidden, and outputs_hidden for hide-cell) and in Colab
+    (cellView "form"); a visible cell carries none of it."""
+    nb = load(path)
+    wrong = clean_notebooks.unfolded_cells(nb)
+    assert not wrong, f"{path.name}: cells {wrong} are not folded as tagged; run `make clean-notebooks`"
+    for cell in nb["cells"]:
+        tags = cell.get("metadata", {}).get("tags", [])
+        if "hide-cell" in tags:
+            assert cell["metadata"]["jupyter"] == {"source_hidden": True, "outputs_hidden": True}
+
+
+def test_the_cleaner_folds_by_the_tags_and_check_finds_what_it_missed(tmp_path):
+    cell = lambda tags, meta=None: {"cell_type": "code", "id": "x", "source": ["1\n"],
+                                    "outputs": [], "execution_count": None,
+                                    "metadata": {"tags": tags, **(meta or {})}}
+    nb = {"cells": [cell(["hide-input"]), cell(["hide-cell"]), cell([]),
+                    cell([], {"jupyter": {"source_hidden": True}})],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    assert clean_notebooks.unfolded_cells(nb) == [0, 1, 3]
+    path = tmp_path / "n.ipynb"
+    path.write_text(json.dumps(nb), encoding="utf-8")
+    check = [sys.executable, str(ROOT / "tools" / "clean_notebooks.py"), "--check", str(path)]
+    assert subprocess.run(check, capture_output=True).returncode == 1
+    subprocess.run(check[:2] + [str(path)], check=True, capture_output=True)
+    metas = [c["metadata"] for c in load(path)["cells"]]
+    assert metas[0]["jupyter"] == {"source_hidden": True} and metas[0]["cellView"] == "form"
+    assert metas[1]["jupyter"] == {"source_hidden": True, "outputs_hidden": True}
+    assert "jupyter" not in metas[2] and "jupyter" not in metas[3]
+    assert subprocess.run(check, capture_output=True).returncode == 0
+
+
 def test_package_is_in_sync_with_notebooks():
     problems = export.check()
     assert not problems, "\n".join(problems)
@@ -301,13 +335,16 @@ def test_solution_toggles_say_what_they_hide(path):
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_every_core_exercise_has_a_stub_and_a_test_that_can_fail(path):
-    """Issue 54: a core exercise is `attempt(check, my_fn, books_fn)` after a stub
+    """Issue 54: a core exercise is `fn_to_use = attempt(check, my_fn, books_fn)` after a stub
     `my_fn` that raises NotImplementedError (so the chapter runs on the book's function
     until the reader writes theirs), and the same notebook shows `check` rejecting a
     wrong function (`rejects(check, ...)`)."""
     text = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"]
                      if c["cell_type"] == "code")
-    for check, mine in re.findall(r"^attempt\((\w+), (\w+), \w+\)", text, re.M):
+    calls = re.findall(r"^\w+ = attempt\((\w+), (\w+),", text, re.M)
+    used = re.findall(r"(?<!def )\battempt\(", text)
+    assert len(calls) == len(used), f"{path.name}: an attempt(...) whose function is unused"
+    for check, mine in calls:
         stub = re.search(rf"def {mine}\(.*?\n(?=\S|\Z)", text, re.S)
         assert stub and "raise NotImplementedError" in stub.group(0), (path.name, mine)
         assert re.search(rf"rejects\({check},", text), (path.name, check)
@@ -317,8 +354,8 @@ def test_the_chapters_have_core_exercises():
     """Issue 54: from chapter 1 on, the function that is a chapter's idea is an exercise
     (`attempt(...)`)."""
     missing = [p.name for p in MAIN if "00" < p.name[:2]
-               and "\nattempt(" not in "\n" + "\n".join(
-                   "".join(c["source"]) for c in json.loads(p.read_text())["cells"])]
+               and not re.search(r"^\w+ = attempt\(", "\n".join(
+                   "".join(c["source"]) for c in json.loads(p.read_text())["cells"]), re.M)]
     assert not missing, f"no core exercise in {missing}"
 
 

@@ -131,3 +131,17 @@ def test_the_book_states_the_total_the_tool_computes(page):
     assert abs(int(stated.group(1)) - total) <= 1, (
         f"{page} says about {stated.group(1)} hours; tools/reading_time.py computes "
         f"{total:.1f}")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_the_landing_page_lists_every_chapter_with_its_stated_time(path):
+    """Issue 72: book/intro.md's tables list every chapter and appendix, each with the
+    reading time its first page states."""
+    intro = (ROOT / "book" / "intro.md").read_text(encoding="utf-8")
+    row = re.search(rf"\(\.\./chapters/{re.escape(path.name)}\)[^\n]*\| (\d+) min \|$",
+                    intro, re.M)
+    assert row, f"book/intro.md: no row for {path.name} with its reading time"
+    first = "".join(json.loads(path.read_text(encoding="utf-8"))["cells"][0]["source"])
+    stated = re.search(r"Reading time: about (\d+) minutes", first)
+    assert stated and row.group(1) == stated.group(1), \
+        f"{path.name}: intro.md says {row.group(1)} min, the chapter {stated and stated.group(1)}"

@@ -112,22 +112,12 @@ Scheduler.chunk = _chunk
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21g-scheduler
 def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:
-    """Waiting requests, FIFO, while they fit: each one's tokens go to num_new.
-    Requests that ride along another (rides_along: n > 1's extra answers, a
-    prompt list's later prompts) leave an eighth of the rows to others: a request
-    behind them takes such a row ahead of them."""
+    """Waiting requests, in order (next_waiting), while they fit: each one's
+    tokens go to num_new."""
     admitted: list[Sequence] = []
-    while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-        seq = self.waiting[0]  # FIFO: nobody overtakes the head, but
-        if rides_along(seq) and not self.extra_room():  # n > 1's extras, ...
-            seq = next((s for s in self.waiting if not rides_along(s)), None)
-            if seq is None:
-                break
-        todo = seq.num_tokens - self.kv.cached_tokens(seq)  # to compute
-        if todo > budget and (self.policy == "static"
-                              or not self.enable_chunked_prefill):
-            break  # waits for a step with room for the whole prompt
-        if not self.kv.can_allocate(seq):
+    while budget > 0 and len(self.running) < self.max_num_seqs:
+        seq = self.next_waiting(budget)  # None: nobody may start now
+        if seq is None or not self.kv.can_allocate(seq):
             break
         self.waiting.remove(seq)
         seq.num_computed_tokens = self.kv.allocate(seq)  # K/V it has already
@@ -138,6 +128,25 @@ def _admit(self, budget: int, num_new: list[int]) -> list[Sequence]:
         self.running.append(seq)
         budget -= n
     return admitted
+
+
+def _next_waiting(self, budget: int) -> Sequence | None:
+    """The request to start next: the head of the queue (FIFO), but requests that
+    ride along another (rides_along: n > 1's extra answers, a prompt list's later
+    prompts) leave an eighth of the rows to others: a request behind them takes
+    such a row ahead of them. None when it must wait: the queue is empty, or a
+    whole prompt must fit the step (static batching, chunked prefill off)."""
+    if not self.waiting:
+        return None
+    seq = self.waiting[0]
+    if rides_along(seq) and not self.extra_room():
+        seq = next((s for s in self.waiting if not rides_along(s)), None)
+        if seq is None:
+            return None
+    todo = seq.num_tokens - self.kv.cached_tokens(seq)  # to compute
+    if todo > budget and (self.policy == "static" or not self.enable_chunked_prefill):
+        return None  # waits for a step with room for the whole prompt
+    return seq
 
 
 def _extra_room(self) -> bool:
@@ -156,6 +165,7 @@ def rides_along(seq: Sequence) -> bool:
 
 
 Scheduler._admit, Scheduler.extra_room = _admit, _extra_room
+Scheduler.next_waiting = _next_waiting
 
 # %% ../../chapters/04_continuous_batching.ipynb #c21g-static
 def _schedule_static(self) -> Batch | None:
