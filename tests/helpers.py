@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import socket
 from pathlib import Path
 from typing import NamedTuple
 
@@ -199,3 +200,16 @@ def kernel_fixture(module):
     def kernel_loaded():
         module.kernel()
     return kernel_loaded
+
+
+def refuse_other_hosts(monkeypatch) -> None:
+    """Only this machine may be named: a lookup of any other host fails at once
+    (a client library that phones home fails the test instead of waiting)."""
+    lookup = socket.getaddrinfo
+
+    def local_only(host, *args, **kwargs):
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise OSError(f"the test refuses to reach {host!r}")
+        return lookup(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", local_only)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from typing import Annotated
 
 import pytest
@@ -28,7 +27,7 @@ from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner,  # noqa:
 from agents.items import ToolCallItem, ToolCallOutputItem  # noqa: E402
 from pydantic import Field  # noqa: E402
 
-from helpers import serving  # noqa: E402
+from helpers import refuse_other_hosts, serving  # noqa: E402
 from test_serve import NAME, tiny_llm  # noqa: E402
 
 set_tracing_disabled(True)
@@ -44,15 +43,7 @@ def served():
 
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch):
-    """Only this machine may be named: a lookup of any other host fails at once."""
-    lookup = socket.getaddrinfo
-
-    def local_only(host, *args, **kwargs):
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise OSError(f"the test refuses to reach {host!r}")
-        return lookup(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", local_only)
+    refuse_other_hosts(monkeypatch)
 
 
 @contextlib.asynccontextmanager

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 
@@ -22,6 +21,7 @@ pytest.importorskip("fastapi")
 from minillm.sampling import SamplingParams  # noqa: E402
 from minillm.serve.app import build_app  # noqa: E402
 from minillm.serve.cli import BackgroundServer  # noqa: E402
+from helpers import refuse_other_hosts  # noqa: E402
 from test_serve import NAME, tiny_llm  # noqa: E402
 
 litellm.suppress_debug_info = True  # no "Give Feedback / Get Help" banner on errors
@@ -52,15 +52,7 @@ def offline():
 
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch):
-    """Only this machine may be named: a lookup of any other host fails at once."""
-    lookup = socket.getaddrinfo
-
-    def local_only(host, *args, **kwargs):
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise OSError(f"the test refuses to reach {host!r}")
-        return lookup(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", local_only)
+    refuse_other_hosts(monkeypatch)
 
 
 def complete(url: str, **kw):
