@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from .config import ModelConfig
 
 # %% auto #0
-__all__ = ['RMSNorm', 'rope_frequencies', 'RotaryEmbedding', 'rotate_half', 'apply_rope', 'StepMeta', 'Attention', 'MLP', 'Block',
-           'Transformer']
+__all__ = ['RMSNorm', 'rope_frequencies', 'RotaryEmbedding', 'rotate_half', 'apply_rope', 'causal_attention', 'StepMeta',
+           'Attention', 'MLP', 'Block', 'Transformer']
 
 # %% ../../chapters/02_naive_loop.ipynb #c014
 class RMSNorm(nn.Module):
@@ -92,6 +92,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate each channel pair (i, i + d/2) of x by its position's angle."""
     return x * cos + rotate_half(x) * sin
 
+# %% ../../chapters/02_naive_loop.ipynb #c019i-attention
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention, q [B, heads, T, d], k and v [B, kv_heads, T, d]: §4.4's four
+    steps in SDPA's one fused kernel (grouped-query attention when kv_heads < heads)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
 # %% ../../chapters/02_naive_loop.ipynb #c021
 @dataclass
 class StepMeta:
@@ -125,7 +132,6 @@ class Attention(nn.Module):
         norm, eps = config.qk_norm, config.rms_norm_eps
         self.q_norm = RMSNorm(d, eps) if norm else None  # Qwen3 normalises q and k
         self.k_norm = RMSNorm(d, eps) if norm else None
-        self.gqa = self.n_heads != self.n_kv_heads
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x's query, key and value projections."""
@@ -144,8 +150,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 enable_gqa=self.gqa)
+            out = causal_attention(q, k, v)
         else:  # the cache stores k and v, and attends over everything it holds
             out = kv.attend(self.layer_idx, q, k, v, meta)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
