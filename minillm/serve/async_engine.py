@@ -35,7 +35,7 @@ class EngineStats:
         return self.kv_reserved / max(self.kv_capacity, 1)
 
 # %% auto #0
-__all__ = ['REQUEST_PREPARERS', 'EngineStats', 'RequestStream', 'AsyncEngine']
+__all__ = ['REQUEST_PREPARERS', 'EngineStats', 'RequestStream', 'AsyncEngine', 'hand_out']
 
 # %% ../../chapters/09_serving.ipynb #s20b-stream
 @dataclass(eq=False)
@@ -227,6 +227,21 @@ def _settle(future: asyncio.Future, error: Exception | None) -> None:
 
 AsyncEngine._on_add, AsyncEngine._on_abort = _on_add, _on_abort
 
+# %% ../../chapters/09_serving.ipynb #c35e-hand-out
+def hand_out(outputs: list, streams: dict, engine) -> list[tuple]:
+    """(stream, output) for each output whose request is still served, in order;
+    a finished request is forgotten: out of `streams`, popped from the engine."""
+    handed = []
+    for out in outputs:
+        stream = streams.get(out.request_id)
+        if stream is None:  # aborted while the step ran
+            continue
+        handed.append((stream, out))
+        if out.finished:  # forget it: its KV memory is free already
+            del streams[out.request_id]
+            engine.pop(out.request_id)
+    return handed
+
 # %% ../../chapters/09_serving.ipynb #s25-step
 def _step(self) -> None:
     """One engine step; every output goes to its request's queue, all of the
@@ -236,17 +251,11 @@ def _step(self) -> None:
     except Exception as e:  # the step failed for everybody in it: say so until
         self.failing = f"engine step failed: {e!r:.300}"  # a step succeeds
         return self._drop_all(APIError(503, self.failing, type="server_error"))
-    self.failing, now, handed = None, time.perf_counter(), []
-    for out in outputs:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            continue
-        if self.metrics is not None:
+    self.failing, now = None, time.perf_counter()
+    handed = hand_out(outputs, self._streams, self.engine)  # yours, if it passed
+    if self.metrics is not None:
+        for stream, out in handed:
             self.metrics.observe(stream, out, now)
-        handed.append((stream, out))
-        if out.finished:  # forget it: its KV memory is free already
-            del self._streams[out.request_id]
-            self.engine.pop(out.request_id)
     self._publish()  # counts first: a client that sees its token sees it running
     self._call(_hand_over, handed)
 
