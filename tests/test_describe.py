@@ -23,7 +23,7 @@ speculator         none: one token per forward
 logits processors  min_tokens (chapter 2), structured_outputs_config='xgrammar' (chapter 11)"""
 
 FAST = """\
-model transforms   fuse_projections=True (chapter 7a)
+model transforms   fuse_projections=True (chapter 7b)
 KV cache           paged (chapter 6), block_size=4
 scheduler          PagedScheduler (chapter 6): continuous, max_num_seqs=8,
                    max_num_batched_tokens=2048, chunked prefill on

@@ -37,7 +37,7 @@ DECODE_ATTENTION = Registry("minillm.engine.compiled.DECODE_ATTENTION")
 DECODE_ATTENTION["gather"] = lambda kv: kv
 """What a compiled step hands the model as its KV backend, by attention_backend name:
 chapter 6's pool itself (its gather copies each row's context, then PyTorch's
-attention), or what §5 adds. Each is called with the pool."""
+attention), or what appendix 7b adds. Each is called with the pool."""
 
 
 def _compile_now(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
