@@ -1,12 +1,15 @@
-"""Chapter 13, tensor parallelism (issue 56): the layers' slices add up to the whole model,
-LLM(folder, tensor_parallel_size=2) on gloo gives tp=1's greedy tokens (float32; logprobs
-equal to rounding), the server takes --tensor-parallel-size and answers the real `openai`
-client, and no worker process outlives the engine: after `del`, a killed worker, an
-exception in a worker, Ctrl-C in rank 0, or rank 0 killed. Bad arguments are refused
-before any process starts."""
+"""Chapter 13, tensor parallelism (issue 56): the layers' slices add up to the whole
+model, LLM(folder, tensor_parallel_size=2) on gloo gives tp=1's greedy tokens (float32;
+logprobs equal to rounding) with the logits gathered to rank 0 alone; with
+batch_invariant=True a request has the same bits alone and among strangers (issue 72: the
+sum over ranks in rank order, which gloo's all-reduce on three ranks is not); the server
+takes --tensor-parallel-size and answers the real `openai` client, and no worker process
+outlives the engine: after `del`, a killed worker, an exception in a worker, Ctrl-C in
+rank 0, or rank 0 killed. Bad arguments are refused before any process starts."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import multiprocessing
 import os
@@ -14,17 +17,20 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+import torch.distributed as dist
 
 from minillm.model.config import ModelConfig
 from minillm.engine.llm import LLM
 from minillm.model.loader import load_model
-from minillm.parallel.shard import (ShardedTransformer, head_split, load_shard,
+from minillm.parallel.shard import (FixedOrderRowParallel, ShardedTransformer,
+                                    fixed_order_all_reduce, head_split, load_shard,
                                     local_config, shard_slice, split)
 from minillm.sampling import SamplingParams
 from minillm.model.sources import real_model
@@ -61,6 +67,37 @@ def tiny_one():
 def two_ranks(**kw) -> LLM:
     return LLM(str(TINY), dtype="float32", max_num_seqs=4, num_blocks=64,
                tensor_parallel_size=2, **kw)
+
+
+STRANGERS = ["KING HENRY:\nWhat news from France, my lord? " * 3, "O",
+             "First Citizen:\nBefore we proceed any further, hear me speak."]
+
+
+def alone_and_among_strangers(llm) -> tuple[list[float], list[float]]:
+    """PROMPTS[0]'s greedy logprobs (8 tokens) alone, then at place 1 among three
+    strangers of other lengths."""
+    few = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:1], few, use_tqdm=False)[0].outputs[0]
+    crowd = llm.generate(STRANGERS[:1] + PROMPTS[:1] + STRANGERS[1:], few,
+                         use_tqdm=False)[1].outputs[0]
+    assert alone.token_ids == crowd.token_ids
+    return logprobs(alone), logprobs(crowd)
+
+
+def on_ranks(world: int, fn) -> list:
+    """fn(rank, group) on `world` gloo ranks that are threads of this process."""
+    store, out = dist.HashStore(), [None] * world
+
+    def run(rank):
+        group = dist.ProcessGroupGloo(store, rank, world,
+                                      datetime.timedelta(seconds=30))
+        out[rank] = fn(rank, group)
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
 
 
 # --- the arithmetic of the split, in one process -----------------------------------
@@ -103,6 +140,27 @@ def test_each_ranks_slices_put_back_together_are_the_checkpoint():
         w.numel() for w in whole.values())
 
 
+def test_a_fixed_order_sum_over_three_ranks_is_the_same_alone_or_in_a_batch():
+    """Three gloo ranks (threads, no process): gloo's all-reduce gives row 0 other bits
+    alone than in a batch of 8 (so the test can fail); fixed_order_all_reduce gives
+    every rank ((y0 + y1) + y2), whatever the batch."""
+    torch.manual_seed(0)
+    parts = [torch.randn(8, 576) for _ in range(3)]
+
+    def gloo(y, group):
+        dist.all_reduce(y, group=group)
+        return y
+
+    def row_0(reduce):
+        return on_ranks(3, lambda r, g: (reduce(parts[r][:1].clone(), g)[0],
+                                         reduce(parts[r].clone(), g)[0]))
+    alone, batch = row_0(gloo)[0]
+    assert not torch.equal(alone, batch)
+    in_order = (parts[0][0] + parts[1][0]) + parts[2][0]
+    for alone, batch in row_0(fixed_order_all_reduce):  # every rank
+        assert torch.equal(alone, batch) and torch.equal(alone, in_order)
+
+
 def test_a_sharded_model_on_the_meta_device_holds_half_of_each_split_layer():
     config = ModelConfig.from_hf(TINY)
     with torch.device("meta"):
@@ -117,11 +175,21 @@ def test_a_sharded_model_on_the_meta_device_holds_half_of_each_split_layer():
 
 # --- the engine: the same tokens ---------------------------------------------------
 
-def test_two_ranks_give_one_ranks_greedy_tokens_on_the_bundled_model(tiny_one):
+def test_two_ranks_give_one_ranks_greedy_tokens_on_the_bundled_model(tiny_one,
+                                                                    monkeypatch):
+    """Two ranks give one rank's tokens, with the logits gathered to rank 0 (rank 0
+    never all-gathers). Without batch invariance a request's logprobs differ alone
+    and among strangers (so the batch-invariant test below can fail)."""
     llm = two_ranks()
     try:
+        def no_all_gather(*args, **kwargs):
+            raise AssertionError("rank 0 all-gathers")
+        monkeypatch.setattr(dist, "all_gather", no_all_gather)
         a = tiny_one.generate(PROMPTS, GREEDY, use_tqdm=False)
         b = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        monkeypatch.undo()
+        alone, crowd = alone_and_among_strangers(llm)
+        assert alone != crowd
         for x, y in zip(a, b):
             assert x.outputs[0].token_ids == y.outputs[0].token_ids
             gaps = [abs(p - q) for p, q in zip(logprobs(x.outputs[0]),
@@ -178,7 +246,6 @@ def test_prompt_logprobs_and_ngram_speculation_run_on_every_rank(tiny_one):
     (dict(tensor_parallel_size=1.5), "tensor_parallel_size=1.5"),
     (dict(tensor_parallel_size=True), "tensor_parallel_size=True"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0"),
-    (dict(tensor_parallel_size=2, batch_invariant=True), "batch_invariant"),
     (dict(tensor_parallel_size=2, compile_decode=True), "compile_decode"),
     (dict(tensor_parallel_size=2, quantization="w9"), "w9"),
     (dict(tensor_parallel_size=2, dtype="float8"), "float8"),
@@ -214,8 +281,14 @@ def test_a_second_engine_waits_for_the_first_to_go():
 
 # --- no process outlives the engine ------------------------------------------------
 
-def test_del_ends_the_workers():
-    llm = two_ranks()
+def test_batch_invariant_on_two_ranks_then_del_ends_the_workers():
+    """With batch_invariant=True a request's logprobs are the same bits alone and
+    among strangers (every rank's shard is batch-invariant, rank 0's row-parallel
+    layers sum in rank order); then `del` ends the workers."""
+    llm = two_ranks(batch_invariant=True)
+    assert isinstance(llm.engine.model.layers[0].mlp.down_proj, FixedOrderRowParallel)
+    alone, crowd = alone_and_among_strangers(llm)
+    assert alone == crowd
     pids = llm.engine.model.workers.pids
     assert gone(pids, 0.5) is False  # alive while the engine is
     del llm

@@ -10,6 +10,7 @@ from ..model.config import ModelConfig
 from ..engine.config import register_engine_option
 from ..engine.llm import MODEL_LOADERS
 from .shard import ShardedTransformer, head_split, load_shard
+from . import shard  # the package's: a worker imports it by name
 from .workers import WorkerGroup
 
 
@@ -20,7 +21,6 @@ def tensor_parallel_option(value) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"tensor_parallel_size={value!r}: give an int, 1 or more")
     return value if value > 1 else None
-
 
 # %% auto #0
 __all__ = ['EXCLUDES', 'tensor_parallel_option', 'load_parallel', 'load_for_tp', 'start_tensor_parallel']
@@ -65,18 +65,22 @@ def load_for_tp(path, options: dict, dtype, device, quantization):
 # %% ../../chapters/13_tensor_parallel.ipynb #t63-register
 def start_tensor_parallel(engine, world: int) -> None:
     """The engine's model must be a sharded one of `world` ranks; the workers
-    then build their KV caches like the engine's."""
+    then build their KV caches like the engine's. With chapter 12's mode on,
+    every rank's shard is batch-invariant, its sums over ranks too (section 9)."""
     model = engine.model
     if not isinstance(model, ShardedTransformer) or model.workers is None \
             or model.world != world:
         raise ValueError(f"tensor_parallel_size={world} needs a model loaded in "
                          f"{world} shards: give LLM a folder, or LLMEngine the model "
                          f"that load_parallel(folder, {world}) returns")
+    if engine.config.options.get("batch_invariant"):
+        model.workers.apply(shard.invariant_shard)  # each worker: all of it
+        shard.make_fixed_order(model)  # rank 0: chapter 12's option does the rest
     model.workers.attach_kv(engine)
 
 
-EXCLUDES = ("cuda_graphs", "compile_decode", "batch_invariant",  # not
-            "fuse_projections")  # yet in shards: each would change rank 0 only
+EXCLUDES = ("cuda_graphs", "compile_decode",  # not yet in shards: each would
+            "fuse_projections")  # change rank 0 only
 MODEL_LOADERS["tensor_parallel_size"] = load_for_tp
 register_engine_option("tensor_parallel_size", tensor_parallel_option,
                        start_tensor_parallel, order=0, excludes=EXCLUDES)

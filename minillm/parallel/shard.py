@@ -17,7 +17,8 @@ from ..model.transformer import Transformer
 
 # %% auto #0
 __all__ = ['split', 'head_split', 'local_config', 'shard_slice', 'RowParallelLinear', 'VocabParallelEmbedding',
-           'VocabParallelHead', 'ShardedTransformer', 'load_shard']
+           'VocabParallelHead', 'ShardedTransformer', 'load_shard', 'fixed_order_all_reduce', 'FixedOrderRowParallel',
+           'make_fixed_order', 'invariant_shard']
 
 # %% ../../chapters/13_tensor_parallel.ipynb #t25-split
 def split(n: int, world: int, rank: int) -> range:
@@ -77,8 +78,10 @@ class RowParallelLinear(nn.Module):
         self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x)
-        dist.all_reduce(y)
+        return self.reduce(self.linear(x))
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(y)  # in the order gloo or NCCL picks (section 9)
         return y
 
 
@@ -100,22 +103,27 @@ class VocabParallelEmbedding(nn.Module):
         return x
 
 # %% ../../chapters/13_tensor_parallel.ipynb #t42-head
-class VocabParallelHead(nn.Module):
-    """The LM head by slices of the vocabulary: each rank scores its own tokens,
-    and an all-gather puts the slices side by side (every rank gets all logits)."""
+class VocabParallelHead(nn.Linear):
+    """The LM head by slices of the vocabulary: each rank scores its own tokens (a
+    linear layer of its slice's rows), and a gather lays the slices side by side
+    on rank 0, the one rank that samples. The other ranks return their own slice
+    (padded), which nobody reads."""
 
     def __init__(self, hidden: int, vocab: int, world: int, rank: int):
-        super().__init__()
-        self.sizes = [len(split(vocab, world, r)) for r in range(world)]
-        self.weight = nn.Parameter(torch.empty(self.sizes[rank], hidden))
+        sizes = [len(split(vocab, world, r)) for r in range(world)]
+        super().__init__(hidden, sizes[rank], bias=False)
+        self.sizes, self.rank = sizes, rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight)
-        width = self.sizes[0]  # the widest slice: all_gather takes equal shapes
+        local = super().forward(x)
+        width = self.sizes[0]  # the widest slice: gather takes equal shapes
         if local.shape[-1] < width:
             local = F.pad(local, (0, width - local.shape[-1]))
+        if self.rank > 0:  # its slice to rank 0; nobody reads what it returns
+            dist.gather(local.contiguous(), None, dst=0)
+            return local
         parts = [torch.empty_like(local) for _ in self.sizes]
-        dist.all_gather(parts, local.contiguous())
+        dist.gather(local.contiguous(), parts, dst=0)
         return torch.cat([p[..., :n] for p, n in zip(parts, self.sizes)], dim=-1)
 
 # %% ../../chapters/13_tensor_parallel.ipynb #t44-model
@@ -217,3 +225,38 @@ def load_shard(path, world: int, rank: int, dtype: torch.dtype,
     if missing:
         raise ValueError(f"the checkpoint in {folder} lacks {missing[:5]}")
     return model.eval()
+
+# %% ../../chapters/13_tensor_parallel.ipynb #t83-fixed
+def fixed_order_all_reduce(y: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum over the ranks of y, added in rank order on every rank whatever y's
+    size: all-gather the parts, then ((y0 + y1) + y2) + ..."""
+    parts = [torch.empty_like(y) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, y.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+class FixedOrderRowParallel(RowParallelLinear):
+    """A row-parallel linear whose sum over the ranks has one order."""
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        return fixed_order_all_reduce(y)
+
+
+def make_fixed_order(model: nn.Module) -> nn.Module:
+    """Swap, in place, every RowParallelLinear for a FixedOrderRowParallel."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is RowParallelLinear:
+                setattr(parent, name, FixedOrderRowParallel(child.linear))
+    return model
+
+
+def invariant_shard(model: nn.Module) -> None:
+    """A worker's shard in chapter 12's mode: sums over ranks in rank order, then
+    chapter 12's swap (linears in fixed blocks of rows, the LM head's slice too,
+    and fixed-order attention)."""
+    from minillm.invariant.ops import make_batch_invariant
+    make_batch_invariant(make_fixed_order(model))

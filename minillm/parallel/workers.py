@@ -84,6 +84,9 @@ def worker_main(rank: int, world: int, init: str, path: str, dtype: str,
                 if kind == "kv":
                     kv = build_kv(model, arg)
                     conn.send(("ready", None))
+                elif kind == "apply":  # a change to the model (section 9)
+                    arg(model)
+                    conn.send(("ready", None))
                 else:  # "step"
                     ids, positions, key, meta = unpack_step(arg, device)
                     model(ids, positions, kv=None if key is None else kv, meta=meta)
@@ -193,6 +196,12 @@ class WorkerGroup:
         self._send(("kv", (cfg.kv_cache, args, options)))
         self.wait_ready()
         self.kv = kv
+
+    def apply(self, transform) -> None:
+        """Every worker calls transform(its model): a function that the worker
+        can import, for it travels by name (section 9's invariant_shard)."""
+        self._send(("apply", transform))
+        self.wait_ready()
 
     def send_step(self, input_ids, positions, kv, meta) -> None:
         if kv is not None and kv is not self.kv:
