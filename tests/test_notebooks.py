@@ -309,8 +309,12 @@ def test_solutions_are_code_and_hidden_with_their_output(path):
     assert cells, f"{path.name}: the exercises have no solution cells"
     tags = [set(c.get("metadata", {}).get("tags", [])) for c in cells]
     shown = [c["id"] for c, t in zip(cells, tags)
-             if "hide-cell" not in t and "exercise-test" not in t]
+             if not t & {"hide-cell", "exercise-test", "exercise-stub"}]
     assert not shown, f"{path.name}: solution cells shown on the page: {shown}"
+    for c, t in zip(cells, tags):  # issue 72: the reader's function has a name of its
+        if "exercise-stub" in t:   # own, which the folded solution cannot overwrite
+            assert re.search(r"^def my_\w+\(", "".join(c["source"]), re.M) and \
+                "raise NotImplementedError" in "".join(c["source"]), c["id"]
     for c, t in zip(cells, tags):  # a test the reader's own function must pass
         if "exercise-test" in t:
             assert "assert" in "".join(c["source"]), f"{c['id']}: a test that asserts"
@@ -342,11 +346,14 @@ def test_every_core_exercise_has_a_stub_and_a_test_that_can_fail(path):
     text = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"]
                      if c["cell_type"] == "code")
     calls = re.findall(r"^\w+ = attempt\((\w+), (\w+),", text, re.M)
+    tests = re.findall(r"^attempt\((\w+), (my_\w+), \w+\)$", text, re.M)  # exercises'
     used = re.findall(r"(?<!def )\battempt\(", text)
-    assert len(calls) == len(used), f"{path.name}: an attempt(...) whose function is unused"
-    for check, mine in calls:
+    assert len(calls) + len(tests) == len(used), \
+        f"{path.name}: an attempt(...) whose function is unused"
+    for check, mine in calls + tests:
         stub = re.search(rf"def {mine}\(.*?\n(?=\S|\Z)", text, re.S)
         assert stub and "raise NotImplementedError" in stub.group(0), (path.name, mine)
+    for check, mine in calls:
         assert re.search(rf"rejects\({check},", text), (path.name, check)
 
 

@@ -70,8 +70,8 @@ BLOCK_KEY_EXTRAS["prompt_logprobs"] = own_key
 
 # %% auto #0
 __all__ = ['BLOCK_KEY_EXTRAS', 'DEFAULT_KV_SPACE', 'TokenView', 'token_ids', 'extra_key', 'own_key', 'PagedKVCache',
-           'weights_version', 'check_utilization', 'check_paged_options', 'kv_bytes_from_memory', 'profile_kv_bytes',
-           'default_pool_blocks', 'paged_cache']
+           'weights_version', 'block_slots', 'check_utilization', 'check_paged_options', 'kv_bytes_from_memory',
+           'profile_kv_bytes', 'default_pool_blocks', 'paged_cache']
 
 # %% ../../chapters/06_paged_attention.ipynb #c30-paged
 class PagedKVCache(PackedSteps, KVCache):
@@ -258,6 +258,14 @@ def _free(self, seq: Sequence) -> None:
 PagedKVCache.can_append, PagedKVCache.append_slot = _can_append, _append_slot
 PagedKVCache.free = _free
 
+# %% ../../chapters/06_paged_attention.ipynb #c30c6-block-slots
+def block_slots(block_tables: torch.Tensor, block_size: int,
+                length: int) -> torch.Tensor:
+    """[B, length]: the slot of each row's positions 0 .. length - 1 through its
+    block table [B, n]: block table[p // block_size], offset p % block_size."""
+    offsets = torch.arange(block_size, device=block_tables.device)
+    return (block_tables[:, :, None] * block_size + offsets).flatten(1)[:, :length]
+
 # %% ../../chapters/06_paged_attention.ipynb #c30d-paged
 def _block_table(self, seq: Sequence) -> list[int]:
     return list(self.blocks.tables[seq.request_id])
@@ -283,9 +291,8 @@ def _gather(self, layer_idx: int, meta: StepMeta):
     S = meta.max_context or table.shape[1] * self.block_size
     key = ("gather", S)
     if key not in meta.cache:  # the first layer of the forward
-        table = table[:, :-(-S // self.block_size)]
-        offsets = torch.arange(self.block_size, device=table.device)
-        slots = (table[:, :, None] * self.block_size + offsets).flatten(1)[:, :S]
+        table = table[:, :-(-S // self.block_size)]  # the blocks S positions fill
+        slots = block_slots(table, self.block_size, S)  # yours, if it passed
         k = self.k[0]
         buffers = torch.empty((2, slots.numel(), *k.shape[1:]), dtype=k.dtype,
                               device=k.device)
