@@ -87,7 +87,7 @@ def _buffers(self, key: tuple[int, int, int]) -> tuple:
     meta = StepMeta(positions=z(b, width), slot_mapping=z(b, width),
                     block_tables=z(b, blocks), max_context=span)
     ids = z(b, width)
-    _fill(self, ids, meta, None, None)
+    self._fill(ids, meta, None, None)
     return ids, meta
 
 
