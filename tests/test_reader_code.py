@@ -42,24 +42,17 @@ def my_bpe(ids, ranks):
         _, i = {pick}(found)
         ids[i:i + 2] = [ranks[ids[i], ids[i + 1]][1]]
 '''
-# Chapter 2: top-k and top-p. The right answer, and a top-p that drops the token whose
-# probability crosses top_p.
-TOP_K_TOP_P = '''calls = []
+# Chapter 2: causal_attention. The right answer, and one that forgets the 1/sqrt(d).
+ATTENTION = '''calls = []
 
 
-def my_top_k_top_p(logits, params):
-    calls.append(len(params))
-    out = logits.clone()
-    for row, p in enumerate(params):
-        if p.temperature == 0:
-            continue
-        order = torch.sort(out[row], descending=True, stable=True).indices
-        if p.top_k > 0:
-            out[row, order[p.top_k:]] = float("-inf")
-        if p.top_p < 1:
-            probs = out[row].softmax(-1)[order]
-            out[row, order[probs.cumsum(0) - {before} >= p.top_p]] = float("-inf")
-    return out
+def my_causal_attention(q, k, v):
+    calls.append(tuple(q.shape))
+    n, T = q.shape[1] // k.shape[1], q.shape[2]
+    k, v = k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1)
+    scores = q @ k.transpose(-2, -1) / {scale}
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
 '''
 # Chapter 3: store. The right answer, and one that forgets to move T before the heads.
 STORE = '''calls = []
@@ -81,6 +74,27 @@ def my_fixed_rows(f, x, rows=16):
     n = x.shape[0]
     x = torch.cat([x, x.new_zeros({pad}, x.shape[1])])
     return torch.cat([f(x[i:i + rows]) for i in range(0, len(x), rows)])[:n]
+'''
+# Chapter 12: attend_by_pages. The right answer, and one that cuts the keys into four
+# pieces (their bounds move with the length, and the bits with them).
+PAGES = '''calls = []
+
+
+def my_attend_by_pages(q, k, v, positions, page=16):
+    calls.append(tuple(q.shape))
+    *lead, S, d = k.shape
+    page = {page}
+    P = S // page
+    kp, vp = (t.reshape(*lead, P, page, d) for t in (k, v))
+    scores = q.unsqueeze(-3) @ kp.transpose(-1, -2) / math.sqrt(d)
+    keys = torch.arange(S).view(P, 1, page)
+    scores = scores.masked_fill(keys > positions[..., None, :, None], -math.inf)
+    w = torch.exp(scores - scores.amax((-3, -1), keepdim=True))
+    total = w.sum(-1).transpose(-1, -2).cumsum(-1)
+    acc = (w @ vp).movedim(-3, -1).cumsum(-1)
+    last = (positions // page).expand(q.shape[:-1])
+    o = acc.gather(-1, last[..., None, None].expand(*last.shape, d, 1))[..., 0]
+    return o / total.gather(-1, last[..., None])
 '''
 ENGINE_12 = """engine_before = len(calls)
 LLM(str(bundled_model_path()), batch_invariant=True).generate(
@@ -154,54 +168,64 @@ def my_allowed_tokens(dfa, state, groups):
             allowed += [i for i, rest in tokens if {walk}]
     return allowed
 '''
-# Chapter 7: default_buckets. The right answer, and one that lists a power twice.
-BUCKETS = '''calls = []
+# Chapter 7: fill. The right answer, and one whose padding rows write to slot 0.
+FILL = '''calls = []
 
 
-def my_default_buckets(largest, smallest=1, factor=2):
-    calls.append(largest)
-    out, size = [], smallest
-    while size {below} largest:
-        out.append(size)
-        size *= factor
-    return out + [largest]
+def my_fill(self, ids, meta, new_ids, new_meta):
+    calls.append(0 if new_ids is None else len(new_ids))
+    B = 0 if new_ids is None else len(new_ids)
+    meta.slot_mapping[B:] = {pad}
+    meta.positions[B:] = 0
+    meta.block_tables[B:] = 0
+    ids[B:] = 0
+    if B:
+        ids[:B] = new_ids
+        meta.positions[:B] = new_meta.positions
+        meta.slot_mapping[:B] = new_meta.slot_mapping
+        w = new_meta.block_tables.shape[1]
+        meta.block_tables[:B, :w] = new_meta.block_tables
+        meta.block_tables[:B, w:] = 0
+    meta.cache.clear()
 '''
-ENGINE_7 = """from minillm.engine import LLMEngine
-from minillm.model.loader import load_model
-
-engine_before = len(calls)
-LLMEngine(load_model(bundled_model_path(), dtype=torch.float32), cuda_graphs=True)
-print(f"the engine called it {len(calls) - engine_before} times")
-"""
-# Chapter 9: add_delta. The right answer, and one that keeps only the last logprobs.
-ADD_DELTA = '''calls = []
+# Chapter 9: hand_out. The right answer, and one that never forgets a finished request.
+HAND_OUT = '''calls = []
 
 
-def my_add_delta(answers, c):
-    calls.append(c.index)
-    a = answers[c.index]
-    a.text += c.text
-    a.token_ids += c.token_ids
-    if c.logprobs is not None:
-        a.logprobs = {logprobs}
-    a.finish_reason, a.stop_reason = c.finish_reason, c.stop_reason
+def my_hand_out(outputs, streams, engine):
+    calls.append(len(outputs))
+    handed = []
+    for out in outputs:
+        stream = streams.get(out.request_id)
+        if stream is None:
+            continue
+        handed.append((stream, out))
+        if out.finished and {forget}:
+            del streams[out.request_id]
+            engine.pop(out.request_id)
+    return handed
 '''
-# Chapter 10: ngram_lookup. The right answer, and one that takes the earliest match.
-NGRAM = '''calls = []
+# Chapter 10: rejection_sample. The right answer, and one that replaces a rejected draft
+# from p instead of from what p has more of than q.
+REJECTION = '''calls = []
 
 
-def my_ngram_lookup(tokens, k, n_min, n_max):
-    calls.append(len(tokens))
-    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
-        tail = tokens[-n:]
-        for start in {starts}:
-            if tokens[start:start + n] == tail:
-                return tokens[start + n:start + n + k]
-    return []
+def my_rejection_sample(p, q, draft, generator=None):
+    calls.append(len(draft))
+    out = []
+    for i, x in enumerate(draft):
+        q_x = 1.0 if q is None else q[i, x]
+        if torch.rand((), generator=generator) * q_x < p[i, x]:
+            out.append(x)
+            continue
+        q_i = one_hot(x, p.shape[-1], p) if q is None else q[i]
+        return out + [draw({rest}, generator)]
+    return out + [draw(p[len(draft)], generator)]
 '''
 ENGINE_10 = """engine_before = len(calls)
 LLM(str(bundled_model_path()), speculative_config={"method": "ngram",
-    "num_speculative_tokens": 3}).generate([[5, 9, 2, 7] * 4], use_tqdm=False)
+    "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}).generate(
+    [[5, 9, 2, 7] * 4], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
 print(f"the engine called it {len(calls) - engine_before} times")
 """
 # name: (notebook, stub cell, run_on cell, last cell, right, wrong, cells skipped
@@ -210,10 +234,11 @@ CHAPTERS = {
     # c038 encodes tricky texts and compares the ids with Hugging Face's tokenizer
     "bpe": ("01_tokenizer.ipynb", "c023y-ex-stub", "c025-run-on", "c038",
             BPE.format(pick="min"), BPE.format(pick="max"), (), ""),
-    # c043 plots and checks top-k and top-p through filter_logits, c047 samples
-    "top_k_top_p": ("02_naive_loop.ipynb", "c038b-ex-stub", "c038b-3-run-on", "c047",
-                    TOP_K_TOP_P.format(before="probs"), TOP_K_TOP_P.format(before="0"),
-                    (), ""),
+    # c031 compares the model's logits with transformers' (c029 measures loading's memory
+    # in other processes: nothing after it needs it)
+    "causal_attention": ("02_naive_loop.ipynb", "c019f-ex-stub", "c019j-run-on", "c031",
+                         ATTENTION.format(scale="q.shape[-1] ** 0.5"),
+                         ATTENTION.format(scale="1"), ("c029", "c029b"), ""),
     # c024 compares the cached logits with the naive loop's, c028 runs generate
     "store": ("03_kv_cache.ipynb", "c018-s1d-ex-stub", "c018-s1b2-run-on", "c028",
               STORE.format(how="transpose(1, 2)"), STORE.format(how="contiguous()"),
@@ -233,19 +258,19 @@ CHAPTERS = {
     "repeated_share": ("08_troubleshooting.ipynb", "c40y-ex-stub", "c41a2-run-on",
                        "c41b-repeat", REPEATED.format(step=""), REPEATED.format(step=", n"),
                        (), ""),
-    # c41b prints the buckets; then an engine that records graphs sizes them with it
-    "default_buckets": ("07_performance.ipynb", "c40y-ex-stub", "c41a-run-on",
-                        "c41b-graphs", BUCKETS.format(below="<"),
-                        BUCKETS.format(below="<="), (), ENGINE_7),
-    # c75 asks the server for a chat answer, gathered piece by piece (not streamed)
-    "add_delta": ("09_serving.ipynb", "s48b-ex-stub", "s48f-run-on", "c75-chat",
-                  ADD_DELTA.format(logprobs="(a.logprobs or []) + list(c.logprobs)"),
-                  ADD_DELTA.format(logprobs="list(c.logprobs)"), ("c62-cli",), ""),
-    # c42 drafts from a sentence; then an engine that speculates with prompt lookup
-    "ngram_lookup": ("10_speculative.ipynb", "c41c-ex-stub", "c41g-run-on",
-                     "c42-ngram-demo",
-                     NGRAM.format(starts="range(len(tokens) - n - 1, -1, -1)"),
-                     NGRAM.format(starts="range(len(tokens) - n)"), (), ENGINE_10),
+    # c51 compares an engine's tokens with graphs (the static buffers) and without;
+    # §1 and §2's measurements (c13 to c24) are not needed for it
+    "fill": ("07_performance.ipynb", "c42d-ex-stub", "c43a-run-on", "c51-check",
+             FILL.format(pad="self.kv.pad_slot"), FILL.format(pad="0"),
+             ("c13-floors", "c16-floors", "c17-floors", "c18-floors", "c19b-floors",
+              "c22-mbu", "c24-mbu"), ""),
+    # c38 runs three requests through the engine thread, against LLM.generate's text
+    "hand_out": ("09_serving.ipynb", "c35b-ex-stub", "c35f-run-on", "c38-demo",
+                 HAND_OUT.format(forget="True"), HAND_OUT.format(forget="False"), (), ""),
+    # c34 measures the first token's distribution; then an engine that speculates
+    "rejection_sample": ("10_speculative.ipynb", "c31b-ex-stub", "c31e-run-on",
+                         "c34-check", REJECTION.format(rest="(p[i] - q_i).clamp(min=0)"),
+                         REJECTION.format(rest="p[i]"), (), ENGINE_10),
     # s46 fills a bitmask of the real vocabulary through FSMGrammar
     "allowed_tokens": ("11_structured_output.ipynb", "s41c-ex-stub", "s41g-run-on",
                        "s46-matcher-demo", ALLOWED.format(walk="dfa.walk(after, rest) >= 0"),
@@ -254,6 +279,11 @@ CHAPTERS = {
     "fixed_rows": ("12_batch_invariance.ipynb", "b32-ex-stub", "b36b-run-on",
                    "b37-every-place", FIXED_ROWS.format(pad="-n % rows"),
                    FIXED_ROWS.format(pad="0"), ("b12-run",), ENGINE_12),
+    # b44 checks fixed_order_attention (against SDPA, padded, in chunks, as a decode
+    # step); then the engine's invariant mode
+    "attend_by_pages": ("12_batch_invariance.ipynb", "b41c-ex-stub", "b42b-run-on",
+                        "b44-attn-check", PAGES.format(page="page"),
+                        PAGES.format(page="S // 4"), ("b12-run",), ENGINE_12),
 }
 
 

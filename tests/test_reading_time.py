@@ -1,7 +1,8 @@
-"""tools/reading_time.py: a chapter's stated reading time is the tool's figure, and the
-formula itself (prose at 150 words a minute at 20 words a sentence, slower in proportion
-for longer sentences; visible code at 10 lines a minute; rounded up to 5 minutes) on tiny
-notebooks and pages."""
+"""tools/reading_time.py: a chapter's stated reading time (and its time with the
+exercises) is the tool's figure, and the formula itself (prose at 150 words a minute at 20
+words a sentence, slower in proportion for longer sentences; visible code at 10 lines a
+minute; a figure 1 minute, a table row 5 seconds, a displayed table 30; a core exercise
+15 minutes, a closing one 10; rounded up to 5 minutes) on tiny notebooks and pages."""
 import json
 import re
 import sys
@@ -19,18 +20,19 @@ STAMPED = [p for p in CHAPTERS if reading_time.stated(p) is not None]
 
 
 def test_some_chapters_state_their_reading_time():
-    assert STAMPED, "no chapter has the line '*Reading time: about N minutes; ...*'"
+    assert STAMPED == CHAPTERS, \
+        "a chapter without the line '*Reading time: about N minutes; ...*'"
 
 
 @pytest.mark.parametrize("path", STAMPED, ids=lambda p: p.name)
 def test_stated_reading_time_is_the_tools_figure(path):
-    read, run = reading_time.stated(path)
-    figure = reading_time.reading_minutes(path)
-    assert abs(read - figure) <= 5, (
-        f"{path.name} says {read} minutes of reading; tools/reading_time.py computes "
-        f"{figure}: run `python tools/reading_time.py --stamp chapters/{path.name} "
-        f"--run-minutes {run}`")
-    assert run >= 1
+    read, with_exercises, run = reading_time.stated(path)
+    figures = reading_time.reading_minutes(path), reading_time.exercises_minutes(path)
+    assert abs(read - figures[0]) <= 5 and abs(with_exercises - figures[1]) <= 5, (
+        f"{path.name} says {read} minutes of reading, {with_exercises} with the "
+        f"exercises; tools/reading_time.py computes {figures[0]} and {figures[1]}: run "
+        f"`python tools/reading_time.py --stamp chapters/{path.name} --run-minutes {run}`")
+    assert run >= 1 and with_exercises >= read
 
 
 def markdown(text: str) -> dict:
@@ -62,14 +64,38 @@ def test_formula_on_a_tiny_notebook(tmp_path):
         code("check()\n" * 50, "hide-cell"),
         code("#| default_exp tiny", "remove-cell"))
     counts = reading_time.counts(reading_time.load(path))
-    assert counts == {"words": 599, "sentences": 62, "code_lines": 30, "engine_lines": 10}
-    assert reading_time.reading_minutes(path) == 10    # 599 / 150 + 30 / 10 = 7 minutes
+    assert counts == {"words": 599, "sentences": 62, "code_lines": 30, "engine_lines": 10,
+                      "figures": 0, "table_rows": 1, "displayed_tables": 0,
+                      "core_exercises": 0, "closing_exercises": 0}
+    assert reading_time.reading_minutes(path) == 10    # 599 / 150 + 30 / 10 + 1/12: 7.1
+    assert reading_time.exercises_minutes(path) == 10  # no exercise
     assert reading_time.minutes(750, 0, 75) == 5        # 10 words a sentence: 150 a minute
     assert reading_time.minutes(751, 0, 75) == 10       # 5.007 minutes: rounded up
     assert reading_time.minutes(0, 0) == 5              # at least 5 minutes
     assert reading_time.minutes(4500, 600, 225) == 90   # 20 words a sentence: 30 + 60
     assert reading_time.minutes(4500, 600, 180) == 100  # 25 a sentence: 120 a minute
     assert reading_time.pace(3000, 100) == 100          # 30 a sentence: 100 a minute
+
+
+def test_figures_tables_and_exercises_count(tmp_path):
+    """Issue 72: a figure, a table and an exercise take a reader time too."""
+    path = write(
+        tmp_path / "99_tiny.ipynb",
+        markdown("# Title\n\n| a | b |\n|:--|--:|\n| 1 | 2 |\n| 3 | 4 |"),  # 3 rows
+        code("fig, ax = plt.subplots()\nax.plot([1])", "hide-input"),  # shown: counts
+        code("plt.figure()\ndisplay(table)", "hide-input"),           # 1 + 0.5 minute
+        code("fig, ax = plt.subplots()", "remove-cell"),               # not on the page
+        code("def my_f(x):\n    raise NotImplementedError  # your code here"),  # core
+        markdown("## Exercises\n\n**1. One.** Do it.\n\n2. **Two.** And this.\n\n"
+                 "1. **Three.** A third.\n\n3. not in bold: not counted"),
+        code("def my_g(x):\n    raise NotImplementedError"))  # a closing one's stub
+    c = reading_time.counts(reading_time.load(path))
+    assert (c["figures"], c["table_rows"], c["displayed_tables"]) == (2, 3, 1)
+    assert (c["core_exercises"], c["closing_exercises"]) == (1, 3)
+    assert reading_time.exercise_minutes(c) == 15 + 3 * 10
+    # 3 + 1 words, 2 + 2 visible lines (0.4), 2 figures, 3 rows (0.25), 0.5: 3.2 minutes
+    assert reading_time.reading_minutes(path) == 5
+    assert reading_time.exercises_minutes(path) == 50  # 3.2 + 45, rounded up
 
 
 def test_sentences_are_counted_as_a_reader_meets_them():
@@ -105,9 +131,9 @@ def test_stamp_writes_the_line_once_and_keeps_the_figure(tmp_path):
     before = reading_time.reading_minutes(path)
     assert reading_time.stated(path) is None
     line = reading_time.stamp(path, 3)
-    assert line == ("*Reading time: about 20 minutes; running it: about 3 minutes on a "
-                    "laptop CPU.*")
-    assert reading_time.stated(path) == (before, 3) == (20, 3)
+    assert line == ("*Reading time: about 20 minutes; with the exercises: about 20 "
+                    "minutes; running it: about 3 minutes on a laptop CPU.*")
+    assert reading_time.stated(path) == (before, before, 3) == (20, 20, 3)
     reading_time.stamp(path, 1)                        # again: replaced, not added
     first = reading_time.load(path)["cells"][0]["source"]
     text = "".join(first)
@@ -138,10 +164,9 @@ def test_the_landing_page_lists_every_chapter_with_its_stated_time(path):
     """Issue 72: book/intro.md's tables list every chapter and appendix, each with the
     reading time its first page states."""
     intro = (ROOT / "book" / "intro.md").read_text(encoding="utf-8")
-    row = re.search(rf"\(\.\./chapters/{re.escape(path.name)}\)[^\n]*\| (\d+) min \|$",
-                    intro, re.M)
-    assert row, f"book/intro.md: no row for {path.name} with its reading time"
-    first = "".join(json.loads(path.read_text(encoding="utf-8"))["cells"][0]["source"])
-    stated = re.search(r"Reading time: about (\d+) minutes", first)
-    assert stated and row.group(1) == stated.group(1), \
-        f"{path.name}: intro.md says {row.group(1)} min, the chapter {stated and stated.group(1)}"
+    row = re.search(rf"\(\.\./chapters/{re.escape(path.name)}\)[^\n]*\| (\d+) min \| "
+                    r"(\d+) min \|$", intro, re.M)
+    assert row, f"book/intro.md: no row for {path.name} with its two times"
+    read, with_exercises, _ = reading_time.stated(path)
+    assert row.groups() == (str(read), str(with_exercises)), \
+        f"{path.name}: intro.md says {row.groups()} min, the chapter {read, with_exercises}"
