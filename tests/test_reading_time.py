@@ -33,6 +33,8 @@ def test_stated_reading_time_is_the_tools_figure(path):
         f"exercises; tools/reading_time.py computes {figures[0]} and {figures[1]}: run "
         f"`python tools/reading_time.py --stamp chapters/{path.name} --run-minutes {run}`")
     assert run >= 1 and with_exercises >= read
+    first = reading_time._source(reading_time.load(path)["cells"][0])
+    assert first.count("Reading time") == 1, f"{path.name}: more than one reading-time line"
 
 
 def markdown(text: str) -> dict:
@@ -135,6 +137,11 @@ def test_stamp_writes_the_line_once_and_keeps_the_figure(tmp_path):
                     "minutes; running it: about 3 minutes on a laptop CPU.*")
     assert reading_time.stated(path) == (before, before, 3) == (20, 20, 3)
     reading_time.stamp(path, 1)                        # again: replaced, not added
+    nb = json.loads(path.read_text())                  # so is a line in older words
+    nb["cells"][0]["source"] = "".join(nb["cells"][0]["source"]).replace(
+        "with the exercises: about 20 minutes; ", "")
+    path.write_text(json.dumps(nb))
+    reading_time.stamp(path, 1)
     first = reading_time.load(path)["cells"][0]["source"]
     text = "".join(first)
     assert text.count("Reading time") == 1 and text.startswith("# Chapter 99: Tiny\n\n*")

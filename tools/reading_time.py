@@ -56,6 +56,7 @@ CODE_FENCE = re.compile(r"^```(?!\{).*?^```[ \t]*$", re.M | re.S)  # not {admoni
 LINE = re.compile(r"^\*Reading time: about (\d+) minutes; with the exercises: about "
                   r"(\d+) minutes; running it: about (\d+) minutes? on a laptop CPU\.\*"
                   r"[ \t]*$", re.M)
+ANY_LINE = re.compile(r"^\*Reading time: .*\*[ \t]*$", re.M)
 FIGURE = re.compile(r"\bplt\.(?:subplots|figure)\(")
 TABLE_ROW = re.compile(r"^\s*\|(?!\s*:?-+:?\s*\|)", re.M)  # not the |---| rule
 STUB = re.compile(r"^def my_\w+\(.*?raise NotImplementedError", re.M | re.S)
@@ -203,8 +204,8 @@ def stamp(path: Path, run_minutes: int) -> str:
     cell = next(c for c in nb["cells"] if c["cell_type"] == "markdown")
     new = line(reading_minutes(path), exercises_minutes(path), run_minutes)
     text = _source(cell)
-    if LINE.search(text):
-        text = LINE.sub(new, text, count=1)
+    if ANY_LINE.search(text):  # this line, or one in an older wording
+        text = ANY_LINE.sub(new, text, count=1)
     else:
         title, _, rest = text.partition("\n")
         text = f"{title}\n\n{new}\n" + ("\n" + rest.lstrip("\n") if rest.strip() else "")
