@@ -96,6 +96,18 @@ def my_attend_by_pages(q, k, v, positions, page=16):
     o = acc.gather(-1, last[..., None, None].expand(*last.shape, d, 1))[..., 0]
     return o / total.gather(-1, last[..., None])
 '''
+# Chapter 13: mlp_slice. The right answer, and one that cuts down_proj by its outputs.
+MLP_SLICE = '''calls = []
+
+
+def my_mlp_slice(name, config, world, rank):
+    calls.append(name)
+    n, extra = divmod(config.intermediate_size, world)
+    start = rank * n + min(rank, extra)
+    return (1 if "{cut}" in name else 0), range(start, start + n + (rank < extra))
+'''
+LOAD_13 = """print(shard_slice("layers.0.mlp.down_proj.weight", SMOL, 2, 1))
+"""
 ENGINE_12 = """engine_before = len(calls)
 LLM(str(bundled_model_path()), batch_invariant=True).generate(
     [[5, 9, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -284,6 +296,11 @@ CHAPTERS = {
     "attend_by_pages": ("12_batch_invariance.ipynb", "b41c-ex-stub", "b42b-run-on",
                         "b44-attn-check", PAGES.format(page="page"),
                         PAGES.format(page="S // 4"), ("b12-run",), ENGINE_12),
+    # t36 defines shard_slice, which load_shard asks for every tensor's cut (rank 0 of
+    # every engine of the chapter loads in this process)
+    "mlp_slice": ("13_tensor_parallel.ipynb", "t21-ex-stub", "t25c-run-on", "t36-slices",
+                  MLP_SLICE.format(cut="down_proj"), MLP_SLICE.format(cut="no such"), (),
+                  LOAD_13),
 }
 
 

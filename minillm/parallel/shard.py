@@ -16,7 +16,7 @@ from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 
 # %% auto #0
-__all__ = ['split', 'head_split', 'local_config', 'shard_slice', 'RowParallelLinear', 'VocabParallelEmbedding',
+__all__ = ['split', 'mlp_slice', 'head_split', 'local_config', 'shard_slice', 'RowParallelLinear', 'VocabParallelEmbedding',
            'VocabParallelHead', 'ShardedTransformer', 'load_shard', 'fixed_order_all_reduce', 'FixedOrderRowParallel',
            'make_fixed_order', 'invariant_shard']
 
@@ -27,6 +27,15 @@ def split(n: int, world: int, rank: int) -> range:
     base, extra = divmod(n, world)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (rank < extra))
+
+# %% ../../chapters/13_tensor_parallel.ipynb #t25b-mlp-slice
+def mlp_slice(name: str, config: ModelConfig, world: int,
+              rank: int) -> tuple[int, range]:
+    """An MLP weight's cut: gate and up by their outputs (column-parallel), down by
+    its inputs (row-parallel), each rank the same near-even share of the features."""
+    inner = split(config.intermediate_size, world, rank)
+    return (1 if ".down_proj." in name else 0), inner
+
 
 # %% ../../chapters/13_tensor_parallel.ipynb #t32-heads
 def head_split(config: ModelConfig, world: int, rank: int) -> tuple[range, range]:
@@ -62,8 +71,7 @@ def shard_slice(name: str, config: ModelConfig, world: int,
         h, d = (kv if part in ("k_proj", "v_proj") else heads), config.head_dim
         return (1 if part == "o_proj" else 0), range(h.start * d, h.stop * d)
     if part in ("gate_proj", "up_proj", "down_proj"):
-        inner = split(config.intermediate_size, world, rank)
-        return (1 if part == "down_proj" else 0), inner
+        return mlp_slice(name, config, world, rank)  # yours, if it passed
     if part in ("embed_tokens", "lm_head"):
         return 0, split(config.vocab_size, world, rank)
     return None  # norms: every rank has them whole
