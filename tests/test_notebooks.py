@@ -346,7 +346,7 @@ def test_every_core_exercise_has_a_stub_and_a_test_that_can_fail(path):
     text = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"]
                      if c["cell_type"] == "code")
     calls = re.findall(r"^\w+ = attempt\((\w+), (\w+),", text, re.M)
-    tests = re.findall(r"^attempt\((\w+), (my_\w+), \w+\)$", text, re.M)  # exercises'
+    tests = re.findall(r"^attempt\((\w+), (my_\w+), \w+\);", text, re.M)  # exercises'
     used = re.findall(r"(?<!def )\battempt\(", text)
     assert len(calls) + len(tests) == len(used), \
         f"{path.name}: an attempt(...) whose function is unused"
