@@ -59,8 +59,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="bundled, smollm2-135m-instruct, or a name LLM() takes")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32",
-                        "bfloat16", "float16"], help="auto: bfloat16 where the device "
-                        "has it fast (chapter 7's rule), else float32")
+                        "bfloat16", "float16"], help="auto: bfloat16 on a GPU; on a CPU "
+                        "chapter 7's rule (the checkpoint's dtype, the CPU's features)")
 
 
 def check_model_arguments(args: argparse.Namespace,
@@ -68,11 +68,13 @@ def check_model_arguments(args: argparse.Namespace,
     """--model (an unknown name: the error names the allowed ones) and --dtype, checked
     before any work. Returns the dtype."""
     from .folders import model_folder
-    model_folder(args.model)
+    folder = model_folder(args.model)
     if args.dtype == "auto":
-        from ..perf.dtype_auto import AUTO_BF16_SPEEDUP, cpu_bf16_speedup
-        fast = device.type == "cuda" or cpu_bf16_speedup() >= AUTO_BF16_SPEEDUP
-        return torch.bfloat16 if fast else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        from ..model.config import ModelConfig
+        from ..model.loader import resolve_dtype  # chapter 7's rule on a CPU
+        return resolve_dtype(ModelConfig.from_hf(folder), "auto", device)
     return getattr(torch, args.dtype)
 
 

@@ -14,14 +14,15 @@ from ..features import Registry
 from .config import register_engine_option
 from .graphs import (GraphForward, _buckets_and_spans,
                                    check_graph_settings, settings_of)
+from ..model.sources import announce
 from ..model.transformer import StepMeta
 
 _log = logging.getLogger("minillm")
 
 
 # %% auto #0
-__all__ = ['DECODE_ATTENTION', 'COMPILE_SETTINGS', 'CompiledForward', 'compiled_forward', 'compile_decode_option',
-           'attention_backend_option', 'inductor_compile_config_option']
+__all__ = ['DECODE_ATTENTION', 'COMPILE_SETTINGS', 'CompiledForward', 'compiled_forward', 'check_compilable',
+           'compile_decode_option', 'attention_backend_option', 'inductor_compile_config_option']
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c97w-cstep-h
 def _own_code(fn, name: str):
@@ -44,6 +45,9 @@ def _compile_now(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
     """The first call of a bucket's step: compiles, timed; counts inductor's on-disk
     cache hits (compiled code a process before this one wrote) and reports."""
     hits = counters["inductor"]["fxgraph_cache_hit"]
+    announce("compile_decode", f"compiling the decode step for {key[0]} row(s) and a "
+             f"span of {key[1]} (its first build takes up to a minute; later ones "
+             "read PyTorch's on-disk cache)")  # once per bucket and process
     start = time.perf_counter()
     logits = self.forward_step(key, ids, meta)
     self.compile_seconds += time.perf_counter() - start
@@ -105,9 +109,29 @@ def compiled_forward(engine, buckets: list[int] | None = None,
     DECODE_ATTENTION; `inductor`: more torch._inductor.config settings."""
     attention_backend_option(attention)
     inductor_compile_config_option(inductor)
+    check_compilable(engine.model)
     buckets, spans = _buckets_and_spans(engine, buckets, spans, max_graphs)
     return CompiledForward(engine.model, engine.kv, buckets, spans, freezing,
                            attention, inductor)
+
+
+def check_compilable(model) -> None:
+    """Refuse, before compiling, what inductor cannot build: chapter 5's fused int8
+    and int4 layers in a model that is not bfloat16 cast their scales to bfloat16
+    inside the step, and PyTorch 2.13's lowering of the kernel cannot take a cast
+    input (a LoweringException in aten._weight_int8pack_mm)."""
+    from minillm.quant.int8 import Int4Linear, PackedInt8Linear
+    for name, layer in model.named_modules():
+        scale = (layer.scale if type(layer) is PackedInt8Linear  # not 7c's kernels
+                 and layer.group_size is None else layer.scale_zero
+                 if type(layer) is Int4Linear else None)
+        if scale is not None and scale.is_cpu and scale.dtype != torch.bfloat16:
+            raise ValueError(
+                f"compile_decode: {name} is chapter 5's fused {type(layer).__name__} "
+                f"in a {str(scale.dtype)[6:]} model, which PyTorch's compiler cannot "
+                "build (it casts the scales inside the step). Load the model in "
+                "bfloat16 (dtype='bfloat16', or 'auto' on a CPU with bfloat16 "
+                "instructions), or leave compile_decode out")
 
 
 COMPILE_SETTINGS = ("buckets", "spans", "max_graphs", "freezing")

@@ -166,23 +166,26 @@ def check_quantization(quantization) -> None:
                      f"{sorted(modes) or 'the modes chapter 5 registers'}")
 
 
-# device type -> pick(config, device) for dtype="auto"
+# device type -> pick(config, device, quantization) for dtype="auto"
 DTYPE_RULES = Registry("minillm.model.loader.DTYPE_RULES")
-#                         (chapter 7 registers "cpu": measure, then choose)
+#    (chapter 7 registers "cpu": from the checkpoint and the CPU's features)
 
 
 def _is_auto(dtype) -> bool:
     return isinstance(dtype, str) and dtype == "auto"
 
 
-def resolve_dtype(config: ModelConfig, dtype, device: torch.device) -> torch.dtype:
+def resolve_dtype(config: ModelConfig, dtype, device: torch.device,
+                  quantization: str | None = None) -> torch.dtype:
     """The dtype a model loads in: None gives default_dtype; "auto" the device type's
-    rule in DTYPE_RULES (else default_dtype); a dtype or its name is checked."""
+    rule in DTYPE_RULES (it may ask the quantization mode), else default_dtype; a
+    dtype or its name is checked."""
     if dtype is not None and not _is_auto(dtype):
         return _check_dtype(dtype, device)
     rules = DTYPE_RULES  # chapter 7's, on first use
-    pick = rules.get(device.type, default_dtype) if _is_auto(dtype) else default_dtype
-    return _check_dtype(pick(config, device), device)
+    if _is_auto(dtype) and device.type in rules:
+        return _check_dtype(rules[device.type](config, device, quantization), device)
+    return _check_dtype(default_dtype(config, device), device)
 
 
 def _load_inputs(path, dtype, device, quantization) -> tuple:
@@ -197,7 +200,7 @@ def _load_inputs(path, dtype, device, quantization) -> tuple:
     config = ModelConfig.from_hf(folder)
     files = safetensors_files(folder)
     if not chosen:  # the default, or the device's rule: they need the config
-        dtype = resolve_dtype(config, dtype, device)
+        dtype = resolve_dtype(config, dtype, device, quantization)
     return folder, config, files, device, dtype
 
 # %% ../../chapters/02_naive_loop.ipynb #c026b

@@ -38,7 +38,7 @@ def load_parallel(path, world: int, dtype=None, device=None,
     folder = resolve_folder(path)
     config = ModelConfig.from_hf(folder)
     head_split(config, world, 0)  # enough KV heads for the ranks?
-    dtype = resolve_dtype(config, dtype, device)
+    dtype = resolve_dtype(config, dtype, device, quantization)
     threads = max(1, torch.get_num_threads() // world)
     workers = WorkerGroup(folder, world, dtype, device, quantization, threads)
     try:

@@ -3,9 +3,6 @@
 # %% ../../chapters/07a_cpu_speed.ipynb #c97r-auto-h
 from __future__ import annotations
 
-import functools
-import time
-
 import torch
 
 from ..model.loader import DTYPE_RULES
@@ -13,40 +10,35 @@ from ..model.sources import announce
 
 
 # %% auto #0
-__all__ = ['AUTO_BF16_SPEEDUP', 'cpu_bf16_speedup', 'cpu_auto_dtype']
+__all__ = ['BFLOAT16_KERNELS', 'cpu_bf16_features', 'cpu_auto_dtype']
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c97s-auto
-AUTO_BF16_SPEEDUP = 1.3  # bfloat16 must be this much faster than float32 to be chosen
+BFLOAT16_KERNELS = ("int8", "w8a16", "int4")  # chapter 5's modes that compute in it
 
 
-@functools.lru_cache(maxsize=None)  # measured once per process
-def cpu_bf16_speedup(repeats: int = 15) -> float:
-    """float32 time / bfloat16 time of one token through a 2048 x 4096 linear layer on
-    the CPU: the fastest of `repeats` rounds of 4 calls each, the dtypes in turns (the
-    fastest round is the one that other work on the machine disturbed least)."""
-    weights = {dt: torch.randn(4096, 2048).to(dt)
-               for dt in (torch.float32, torch.bfloat16)}
-    x = {dt: torch.randn(1, 2048, dtype=dt) for dt in weights}
-    best = {dt: float("inf") for dt in weights}
-    with torch.no_grad():
-        for round_ in range(repeats + 1):  # round 0 warms each kernel up
-            for dt, w in weights.items():
-                start = time.perf_counter()
-                for _ in range(4):
-                    torch.nn.functional.linear(x[dt], w)
-                if round_:
-                    best[dt] = min(best[dt], time.perf_counter() - start)
-    return best[torch.float32] / best[torch.bfloat16]
+def cpu_bf16_features() -> list[str]:
+    """The bfloat16 instructions that PyTorch finds on this CPU."""
+    checks = {"AVX-512 BF16": torch.cpu._is_avx512_bf16_supported,
+              "AMX": torch.cpu._is_amx_tile_supported}
+    return [name for name, has in checks.items() if has()]
 
 
-def cpu_auto_dtype(config, device: torch.device) -> torch.dtype:
-    """dtype="auto" on a CPU: bfloat16 where it measured AUTO_BF16_SPEEDUP times as
-    fast as float32, else float32; the choice is said once per process."""
-    speedup = cpu_bf16_speedup()
-    dtype = torch.bfloat16 if speedup >= AUTO_BF16_SPEEDUP else torch.float32
-    announce("dtype='auto'", f"{str(dtype)[6:]} on this CPU (a bfloat16 matmul "
-             f"ran {speedup:.2f}x as fast as float32)")
+def cpu_auto_dtype(config, device: torch.device,
+                   quantization: str | None = None) -> torch.dtype:
+    """dtype="auto" on a CPU, from facts that do not change between runs: bfloat16
+    where the CPU has bfloat16 instructions and the checkpoint was saved in 16 bits
+    or its quantization computes in bfloat16; else float32. Said once per choice."""
+    saved = str(getattr(config, "torch_dtype", None)).removeprefix("torch.")
+    why = (f"a {saved} checkpoint" if saved in ("bfloat16", "float16") else
+           f"quantization={quantization!r} computes in bfloat16"
+           if quantization in BFLOAT16_KERNELS else "a float32 checkpoint")
+    features = cpu_bf16_features()
+    sixteen = saved in ("bfloat16", "float16") or quantization in BFLOAT16_KERNELS
+    dtype = torch.bfloat16 if features and sixteen else torch.float32
+    announce("dtype='auto'", f"{str(dtype)[6:]} on this CPU ({why}; bfloat16 "
+             f"instructions: {', '.join(features) or 'none'})")
     return dtype
 
 
 DTYPE_RULES["cpu"] = cpu_auto_dtype  # chapter 2's loader asks it for dtype="auto"
+
