@@ -23,7 +23,6 @@ Writes data/benchmarks/versus_llama_cpp_<model>_cpu.csv.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
 import time
