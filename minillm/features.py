@@ -55,6 +55,8 @@ REGISTRIES: dict[str, dict[str, str] | tuple[str, ...]] = {
                                                  "minillm.structured.engine"},
     "minillm.engine.llm.MODEL_LOADERS": {"tensor_parallel_size":          # chapter 13
                                          "minillm.parallel.engine"},
+    "minillm.engine.llm.LOAD_CHECKS": {"compile_decode":                  # chapter 7
+                                       "minillm.engine.compiled"},
     "minillm.serve.protocol.REQUEST_FIELDS": ("minillm.structured.serve",),  # ch. 11
     "minillm.serve.async_engine.REQUEST_PREPARERS": {"compile_grammar":
                                                      "minillm.structured.serve"},

@@ -3,7 +3,8 @@ attention_backend and inductor settings that the README or a chapter names runs 
 through LLM(...), and gives the tokens of its eager twin (the same dtype and
 quantization, no compiling, nothing fused); the one combination PyTorch's compiler
 cannot build (chapter 5's fused int8 or int4 layers in a float32 model, compiled) is
-refused with a clear message before anything compiles."""
+refused with a clear message: by LLM(folder) before a weight is read, by LLMEngine(model)
+before anything compiles."""
 from __future__ import annotations
 
 import time
@@ -13,6 +14,8 @@ import torch
 
 from minillm import LLM, SamplingParams
 from minillm.bench.decode import CPP_WRAPPER
+from minillm.engine import LLMEngine
+from minillm.model.loader import load_model
 from minillm.perf.dtype_auto import cpu_bf16_features
 from minillm.utils import bundled_model_path
 
@@ -54,14 +57,26 @@ def test_each_documented_combination_runs_to_its_eager_twins_tokens(name):
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_fused_int_layers_in_float32_compiled_are_refused_before_compiling(
-        quantization):
+def test_fused_int_layers_in_float32_compiled_are_refused_before_loading(
+        quantization, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("a weight was read before the refusal")
+    monkeypatch.setattr("minillm.model.loader.load_model", no_load)
+    with pytest.raises(ValueError, match=rf"compile_decode: quantization='{quantization}'"
+                       r" in a float32 model.*dtype='bfloat16'"):
+        LLM(TINY, dtype="float32", quantization=quantization, max_model_len=64,
+            compile_decode=True)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_loaded_float32_model_with_them_is_refused_before_compiling(mode):
+    """LLMEngine(model) has no folder to check first: it refuses before compiling."""
+    model = load_model(TINY, dtype=torch.float32, quantization=mode)
     start = time.perf_counter()
     with pytest.raises(ValueError, match=r"compile_decode: layers\.0\.\S+ is chapter "
                        r"5's fused \w+ in a float32 model.*dtype='bfloat16'"):
-        LLM(TINY, dtype="float32", quantization=quantization,
-            max_model_len=64, compile_decode=True)
-    assert time.perf_counter() - start < 20  # refused before a compile (30 s or more)
+        LLMEngine(model, max_num_seqs=2, max_model_len=64, compile_decode=True)
+    assert time.perf_counter() - start < 10  # no compile (30 s or more)
 
 
 def test_auto_with_int8_loads_bfloat16_where_the_cpu_has_it():

@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 
 from ..features import Registry
 from .config import register_engine_option
+from .llm import LOAD_CHECKS
 from .graphs import (GraphForward, _buckets_and_spans,
                                    check_graph_settings, settings_of)
 from ..model.sources import announce
@@ -22,7 +23,8 @@ _log = logging.getLogger("minillm")
 
 # %% auto #0
 __all__ = ['DECODE_ATTENTION', 'COMPILE_SETTINGS', 'CompiledForward', 'compiled_forward', 'check_compilable',
-           'compile_decode_option', 'attention_backend_option', 'inductor_compile_config_option']
+           'compile_before_loading', 'compile_decode_option', 'attention_backend_option',
+           'inductor_compile_config_option']
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c97w-cstep-h
 def _own_code(fn, name: str):
@@ -126,12 +128,31 @@ def check_compilable(model) -> None:
                  and layer.group_size is None else layer.scale_zero
                  if type(layer) is Int4Linear else None)
         if scale is not None and scale.is_cpu and scale.dtype != torch.bfloat16:
-            raise ValueError(
-                f"compile_decode: {name} is chapter 5's fused {type(layer).__name__} "
-                f"in a {str(scale.dtype)[6:]} model, which PyTorch's compiler cannot "
-                "build (it casts the scales inside the step). Load the model in "
-                "bfloat16 (dtype='bfloat16', or 'auto' on a CPU with bfloat16 "
-                "instructions), or leave compile_decode out")
+            raise ValueError(_cannot_compile(
+                f"{name} is chapter 5's fused {type(layer).__name__}", scale.dtype))
+
+
+def _cannot_compile(what: str, dtype: torch.dtype) -> str:
+    return (f"compile_decode: {what} in a {str(dtype)[6:]} model, which PyTorch's "
+            "compiler cannot build (it casts the scales inside the step). Load the "
+            "model in bfloat16 (dtype='bfloat16', or 'auto' on a CPU with bfloat16 "
+            "instructions), or leave compile_decode out")
+
+
+def compile_before_loading(config, on, load: dict) -> None:
+    """LLM(folder, quantization="int8" or "int4", compile_decode=True): the same
+    refusal, before a weight is read, from the dtype the model will load in."""
+    from minillm.model.loader import resolve_device, resolve_dtype
+    quantization = load["quantization"]
+    if not on or config is None or quantization not in ("int8", "int4"):
+        return
+    device = resolve_device(load["device"])
+    dtype = resolve_dtype(config, load["dtype"], device, quantization)
+    if device.type == "cpu" and dtype != torch.bfloat16:
+        raise ValueError(_cannot_compile(f"quantization={quantization!r}", dtype))
+
+
+LOAD_CHECKS["compile_decode"] = compile_before_loading  # chapter 4's LLM asks it
 
 
 COMPILE_SETTINGS = ("buckets", "spans", "max_graphs", "freezing")

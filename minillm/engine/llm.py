@@ -28,10 +28,16 @@ def _prompt_list(prompts) -> tuple[list, list, list]:
     return [p for p, _, _ in got], [shown for _, shown, _ in got], [e for *_, e in got]
 
 
-def check_before_loading(model, args: dict) -> None:
+# option -> check(config, value, load): a later chapter's rule between its option
+LOAD_CHECKS = Registry("minillm.engine.llm.LOAD_CHECKS")
+#    and how LLM loads the folder (load: its dtype, device and quantization)
+
+
+def check_before_loading(model, args: dict, load: dict | None = None) -> None:
     """The engine's whole configuration (EngineConfig: its fields, the KV backend's
     options, every later chapter's option and the rules between them) checked
-    from the model's config.json, before LLM reads a weight or builds a kernel."""
+    from the model's config.json, before LLM reads a weight or builds a kernel;
+    for a folder, LOAD_CHECKS' rules too."""
     if isinstance(model, torch.nn.Module):
         config = getattr(model, "config", None)  # not a Transformer: LLMEngine says
     else:
@@ -40,6 +46,10 @@ def check_before_loading(model, args: dict) -> None:
         config = ModelConfig.from_hf(resolve_folder(model))  # a folder, .gguf, name
     if config is not None:
         EngineConfig.create(config, **args)
+    if load is not None and not isinstance(model, torch.nn.Module):
+        for name, check in LOAD_CHECKS.items():
+            if args.get(name) is not None:
+                check(config, args[name], load)
 
 
 # option -> load(path, options, dtype, device, quantization):
@@ -124,7 +134,7 @@ def _forget(engine: LLMEngine, ids: list[str]) -> None:
         engine.pop(rid)
 
 # %% auto #0
-__all__ = ['MODEL_LOADERS', 'check_before_loading', 'load_for_llm', 'LLM', 'RequestError', 'TextStream']
+__all__ = ['LOAD_CHECKS', 'MODEL_LOADERS', 'check_before_loading', 'load_for_llm', 'LLM', 'RequestError', 'TextStream']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45c-llm
 class LLM:
@@ -146,7 +156,9 @@ class LLM:
                     max_num_batched_tokens=max_num_batched_tokens, policy=policy,
                     kv_cache=kv_cache, enable_chunked_prefill=enable_chunked_prefill,
                     **options)
-        check_before_loading(model, args)  # from config.json: no weight read yet
+        # from config.json, with LOAD_CHECKS' rules: no weight read yet
+        check_before_loading(model, args, dict(dtype=dtype, device=device,
+                                               quantization=quantization))
         model, tokenizer = load_for_llm(model, tokenizer, dtype, device,
                                         quantization, options)
         self.engine = LLMEngine(model, tokenizer, **args)
