@@ -91,6 +91,8 @@ def test_vllm_arguments_accepted_where_they_mean_something():
     (dict(enforce_eager="yes"), "enforce_eager='yes'"),
     (dict(trust_remote_code=1), "trust_remote_code=1"),
     (dict(enforce_eager=True, cuda_graphs=True), "contradict"),
+    (dict(enforce_eager=True, compile_decode=True), "compile_decode=True contradict"),
+    (dict(enforce_eager=True, compile_decode={"buckets": [1]}), "contradict"),
     (dict(dtype="float3"), "float3"),
 ])
 def test_vllm_arguments_refused_where_they_do_not(kwargs, words):

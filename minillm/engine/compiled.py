@@ -47,9 +47,8 @@ def _compile_now(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
     """The first call of a bucket's step: compiles, timed; counts inductor's on-disk
     cache hits (compiled code a process before this one wrote) and reports."""
     hits = counters["inductor"]["fxgraph_cache_hit"]
-    announce("compile_decode", f"compiling the decode step for {key[0]} row(s) and a "
-             f"span of {key[1]} (its first build takes up to a minute; later ones "
-             "read PyTorch's on-disk cache)")  # once per bucket and process
+    announce("compile_decode", f"compiling the step for {key[0]} row(s), span "
+             f"{key[1]}: up to a minute, or seconds from PyTorch's cache")  # once
     start = time.perf_counter()
     logits = self.forward_step(key, ids, meta)
     self.compile_seconds += time.perf_counter() - start

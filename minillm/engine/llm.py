@@ -86,10 +86,11 @@ def load_for_llm(model, tokenizer, dtype, device, quantization, options=None):
 
 def _vllm_args(dtype, options: dict):
     """vLLM's common LLM(...) arguments, taken out of `options`; returns the dtype.
-    dtype="auto": the loader's rule for the device (chapter 7 measures a CPU's
-    bfloat16), else the checkpoint's dtype or the device's default (as None).
+    dtype="auto": the loader's rule for the device (chapter 7's for a CPU reads
+    the checkpoint and the CPU's features), else the checkpoint's dtype or the
+    device's default (as None).
     enforce_eager (True or False): this engine runs eagerly; True with
-    cuda_graphs=True (chapter 7) is a contradiction and refused.
+    cuda_graphs=True or compile_decode (chapter 7) is a contradiction and refused.
     trust_remote_code (True or False): no meaning here, so accepted and ignored:
     minillm runs its own model code, never Python from a checkpoint."""
     eager = options.pop("enforce_eager", False)
@@ -97,9 +98,10 @@ def _vllm_args(dtype, options: dict):
     for name, value in [("enforce_eager", eager), ("trust_remote_code", remote)]:
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r}: must be True or False")
-    if eager and options.get("cuda_graphs"):
-        raise ValueError("enforce_eager=True and cuda_graphs=True contradict: "
-                         "give one of them")
+    for name in ("cuda_graphs", "compile_decode"):  # what runs a step not eagerly
+        if eager and options.get(name):
+            raise ValueError(f"enforce_eager=True and {name}={options[name]!r} "
+                             "contradict: give one of them")
     return dtype
 
 

@@ -30,7 +30,7 @@ def cpu_auto_dtype(config, device: torch.device,
     or its quantization computes in bfloat16; else float32. Said once per choice."""
     saved = str(getattr(config, "torch_dtype", None)).removeprefix("torch.")
     why = (f"a {saved} checkpoint" if saved in ("bfloat16", "float16") else
-           f"quantization={quantization!r} computes in bfloat16"
+           f"{quantization}'s kernels compute in it"
            if quantization in BFLOAT16_KERNELS else "a float32 checkpoint")
     features = cpu_bf16_features()
     sixteen = saved in ("bfloat16", "float16") or quantization in BFLOAT16_KERNELS

@@ -76,7 +76,8 @@ def _engine_flags(add) -> None:
         default=None, help="split long prompts over steps (Chapter 4); None: "
         "the engine's default (on)")
     add("--dtype", default=None, help="the weights' float type (float32, "
-        "bfloat16, float16, or auto: on a CPU bfloat16 where measured faster); "
+        "bfloat16, float16, or auto: chapter 7's rule, from the checkpoint and the "
+        "CPU); "
         "None: the device's default")
     modes = sorted(QUANTIZATIONS)  # chapter 5's
     add("--quantization", default=None, choices=modes,
