@@ -57,6 +57,8 @@ REGISTRIES: dict[str, dict[str, str] | tuple[str, ...]] = {
                                          "minillm.parallel.engine"},
     "minillm.engine.llm.LOAD_CHECKS": {"compile_decode":                  # chapter 7
                                        "minillm.engine.compiled"},
+    "minillm.engine.llm.DEFAULT_OPTIONS": {"cpu":                         # 7's appendix
+                                           "minillm.perf.cpu_defaults"},
     "minillm.serve.protocol.REQUEST_FIELDS": ("minillm.structured.serve",),  # ch. 11
     "minillm.serve.async_engine.REQUEST_PREPARERS": {"compile_grammar":
                                                      "minillm.structured.serve"},

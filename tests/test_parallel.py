@@ -209,7 +209,8 @@ def test_two_ranks_give_smollm2s_tokens_on_held_out_text():
     text = list(heldout_ids(str(path)))
     prompts = [text[i * 700:i * 700 + 32] for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=0, ignore_eos=True)
-    one = LLM(str(path), dtype="float32", max_num_seqs=8, num_blocks=128)
+    one = LLM(str(path), dtype="float32", max_num_seqs=8, num_blocks=128,
+              enforce_eager=True)  # eager, as the ranks' steps
     a = one.generate(prompts, params, use_tqdm=False)
     del one
     two = LLM(str(path), dtype="float32", max_num_seqs=8, num_blocks=128,

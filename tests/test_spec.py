@@ -239,7 +239,7 @@ def test_penalties_and_bias_change_the_answer(tiny):
 def test_greedy_on_the_real_model_at_batch_1():
     """SmolLM2-135M-Instruct (the wheel's copy, offline): prompt lookup on a prompt
     that quotes a passage gives the plain answer, and drafts are accepted."""
-    llm = LLM(SMOLLM2, max_model_len=256, max_num_seqs=1)
+    llm = LLM(SMOLLM2, max_model_len=256, max_num_seqs=1, enforce_eager=True)
     passage = ("The quick brown fox jumps over the lazy dog. The dog sleeps in the "
                "sun, and the fox runs into the forest.")
     prompt = llm.engine.tokenizer.apply_chat_template(

@@ -52,6 +52,30 @@ def check_before_loading(model, args: dict, load: dict | None = None) -> None:
                 check(config, args[name], load)
 
 
+# device type -> rule(config, args, load) -> (options, why): the engine options
+DEFAULT_OPTIONS = Registry("minillm.engine.llm.DEFAULT_OPTIONS")
+#    LLM(folder) adds on that device where the rule finds them safe, and a line
+
+
+def default_options(model, args: dict, load: dict, eager: bool) -> dict:
+    """The engine options a later chapter's rule chooses for the device that
+    LLM(folder) will run on, said in one line; none for a loaded model, none
+    with enforce_eager=True."""
+    if eager or isinstance(model, torch.nn.Module):
+        return {}
+    from minillm.model.config import ModelConfig
+    from minillm.model.loader import resolve_device
+    from minillm.model.sources import announce, resolve_folder
+    device = resolve_device(load["device"]).type
+    if device not in DEFAULT_OPTIONS:
+        return {}
+    config = ModelConfig.from_hf(resolve_folder(model))
+    chosen, why = DEFAULT_OPTIONS[device](config, args, load)
+    if chosen:
+        announce("engine", why)
+    return chosen
+
+
 # option -> load(path, options, dtype, device, quantization):
 MODEL_LOADERS = Registry("minillm.engine.llm.MODEL_LOADERS")
 #    a later chapter's way to load a folder when `option` is among LLM's other
@@ -89,8 +113,9 @@ def _vllm_args(dtype, options: dict):
     dtype="auto": the loader's rule for the device (chapter 7's for a CPU reads
     the checkpoint and the CPU's features), else the checkpoint's dtype or the
     device's default (as None).
-    enforce_eager (True or False): this engine runs eagerly; True with
-    cuda_graphs=True or compile_decode (chapter 7) is a contradiction and refused.
+    enforce_eager (True or False): True runs the step eagerly, as chapter 4 wrote
+    it: no options from DEFAULT_OPTIONS; True with cuda_graphs=True or
+    compile_decode (chapter 7) is a contradiction and refused.
     trust_remote_code (True or False): no meaning here, so accepted and ignored:
     minillm runs its own model code, never Python from a checkpoint."""
     eager = options.pop("enforce_eager", False)
@@ -136,7 +161,8 @@ def _forget(engine: LLMEngine, ids: list[str]) -> None:
         engine.pop(rid)
 
 # %% auto #0
-__all__ = ['LOAD_CHECKS', 'MODEL_LOADERS', 'check_before_loading', 'load_for_llm', 'LLM', 'RequestError', 'TextStream']
+__all__ = ['LOAD_CHECKS', 'DEFAULT_OPTIONS', 'MODEL_LOADERS', 'check_before_loading', 'default_options', 'load_for_llm', 'LLM',
+           'RequestError', 'TextStream']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c45c-llm
 class LLM:
@@ -144,7 +170,9 @@ class LLM:
     LLM(model_path).generate(prompts, sampling_params) -> one RequestOutput per
     prompt; outputs[0].outputs[0].text is the first prompt's answer. vLLM's
     dtype="auto", enforce_eager and trust_remote_code are taken too (_vllm_args
-    says what each means here); tensor_parallel_size is chapter 13's."""
+    says what each means here); tensor_parallel_size is chapter 13's. A folder
+    also gets the engine options DEFAULT_OPTIONS' rule chooses for its device
+    (chapter 7's fast path on a CPU), unless enforce_eager=True."""
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 32,
                  max_num_batched_tokens: int | None = None,
@@ -153,14 +181,15 @@ class LLM:
                  kv_cache: str | None = None, enable_chunked_prefill: bool = True,
                  seed: int | None = None, **options):
         _check_seed(seed)
+        eager = options.get("enforce_eager", False)
         dtype = _vllm_args(dtype, options)  # dtype="auto", enforce_eager, ...
         args = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                     max_num_batched_tokens=max_num_batched_tokens, policy=policy,
                     kv_cache=kv_cache, enable_chunked_prefill=enable_chunked_prefill,
                     **options)
-        # from config.json, with LOAD_CHECKS' rules: no weight read yet
-        check_before_loading(model, args, dict(dtype=dtype, device=device,
-                                               quantization=quantization))
+        load = dict(dtype=dtype, device=device, quantization=quantization)
+        args = {**default_options(model, args, load, eager), **args}  # the device's
+        check_before_loading(model, args, load)  # from config.json: no weight read
         model, tokenizer = load_for_llm(model, tokenizer, dtype, device,
                                         quantization, options)
         self.engine = LLMEngine(model, tokenizer, **args)

@@ -84,6 +84,8 @@ def _engine_flags(add) -> None:
         help="INT8 weights (Chapter 5); None: the weights as stored")
     add("--seed", type=seed, default=None, help="the seed of requests that give "
         "none: the same answers from one start to the next; None: random")
+    add("--enforce-eager", action="store_true", help="run the step eagerly, as "
+        "chapter 4 wrote it; else chapter 7's fast path where it applies")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         default=None, help="share the KV blocks of prompts that start alike "
         "(Chapter 6); None: the engine's default (on)")
@@ -132,6 +134,8 @@ def engine_args(args: argparse.Namespace) -> dict:
     """LLM(...)'s keyword arguments from the flags (prefix caching when given)."""
     kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               dtype=args.dtype, quantization=args.quantization, seed=args.seed)
+    if args.enforce_eager:
+        kw["enforce_eager"] = True
     if args.enable_prefix_caching is not None:
         kw["enable_prefix_caching"] = args.enable_prefix_caching
     if args.enable_chunked_prefill is not None:
