@@ -175,6 +175,8 @@ def test_the_number_of_graphs_is_bounded(llama):
     runner = graphs(256, max_graphs=32).runner.forward
     assert runner.buckets == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert runner.spans == [16, 64, 128]  # 9 x 4 > 32: the spans grow by 4x
+    runner = graphs(256, max_graphs=20).runner.forward  # 9 x 3 > 20 too: 8x
+    assert runner.spans == [16, 128] and len(runner.buckets) * 2 <= 20
     with pytest.raises(ValueError, match="4 batch buckets x 8 spans = 32 graphs"):
         graphs(8, spans=default_buckets(2048, 16), max_graphs=16)
     for bad in (0, 2.0, True):

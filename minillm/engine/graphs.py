@@ -236,9 +236,10 @@ def _buckets_and_spans(engine, buckets, spans, max_graphs: int) -> tuple[list, l
     if spans is None:
         bs = getattr(engine.kv, "block_size", 16)
         top = -(-engine.max_model_len // bs) * bs
-        spans = default_buckets(top, bs)
-        if len(buckets) * len(spans) > max_graphs:
-            spans = default_buckets(top, bs, factor=4)
+        spans, factor = default_buckets(top, bs), 2
+        while len(buckets) * len(spans) > max_graphs and len(spans) > 2:
+            factor *= 2  # coarser spans, 4x, 8x, ... apart: chosen ones always fit
+            spans = default_buckets(top, bs, factor=factor)
     if len(buckets) * len(spans) > max_graphs:
         raise ValueError(f"{len(buckets)} batch buckets x {len(spans)} spans = "
                          f"{len(buckets) * len(spans)} graphs, more than "
@@ -271,7 +272,7 @@ def graph_forward(engine, buckets: list[int] | None = None,
     """The engine's forward through CUDA graphs, each decode bucket recorded now (on
     a CUDA device; elsewhere the same static buffers run eagerly). Batch buckets
     default to 1, 2, 4, ... max_num_seqs; spans to 16 (a block), 32, ...
-    max_model_len, or 16, 64, 256, ... to stay within max_graphs."""
+    max_model_len, or 16, 64, 256, ... (or coarser) to stay within max_graphs."""
     buckets, spans = _buckets_and_spans(engine, buckets, spans, max_graphs)
     forward = GraphForward(engine.model, engine.kv, buckets, spans, capture)
     if forward.capture:
