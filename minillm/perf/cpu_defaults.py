@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..bench.decode import CPP_WRAPPER
 from ..engine.config import ENGINE_OPTIONS
 from ..engine.llm import DEFAULT_OPTIONS
 from ..kernels.paged_decode import HEAD_DIMS
@@ -19,8 +20,7 @@ __all__ = ['FAST_PATH', 'FAST_QUANTIZATION', 'MIN_PARAMETERS', 'cpu_fast_path']
 # %% ../../chapters/07d_cpu_int4_tiles.ipynb #c9c2-default
 FAST_PATH = dict(compile_decode=True, fuse_projections=True,  # 7a, 7b
                  attention_backend="in_place",  # 7b
-                 inductor_compile_config={"cpp_wrapper": True,  # section 4
-                                          "cpp_wrapper_build_separate": True})
+                 inductor_compile_config=CPP_WRAPPER)  # section 4
 FAST_QUANTIZATION = (None, "int8-a8", "int4-a8")  # float32 models: 7c's, 7d's kernels
 MIN_PARAMETERS = 50_000_000  # below: a start of compiling for a step of a few ms
 
