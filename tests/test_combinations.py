@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.bench.decode import CPP_WRAPPER
+from minillm.perf.cpu_defaults import CPP_WRAPPER
 from minillm.engine import LLMEngine
 from minillm.model.loader import load_model
 from minillm.perf.dtype_auto import cpu_bf16_features

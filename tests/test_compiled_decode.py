@@ -138,7 +138,7 @@ def test_the_engine_option_and_its_checks(llama):
 
 
 def test_inductor_settings_reach_the_compiled_step(llama):
-    from minillm.bench.decode import CPP_WRAPPER
+    from minillm.perf.cpu_defaults import CPP_WRAPPER
     _, model = llama
     for bad in ({"no_such_setting": 1}, ["cpp_wrapper"]):
         with pytest.raises(ValueError, match="inductor_compile_config="):

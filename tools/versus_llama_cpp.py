@@ -34,7 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minillm.bench.decode import CPP_WRAPPER, engine_run, gguf_copy  # noqa: E402
+from minillm.bench.decode import engine_run, gguf_copy  # noqa: E402
+from minillm.perf.cpu_defaults import CPP_WRAPPER  # noqa: E402
 from minillm.bench.folders import model_folder  # noqa: E402
 from minillm.bench.measure import fast_copy, greedy, random_prompt  # noqa: E402
 from minillm.engine import LLMEngine  # noqa: E402

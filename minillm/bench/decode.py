@@ -26,6 +26,7 @@ from ..memory import PRESETS
 from ..model.config import ModelConfig
 from ..model.loader import load_model
 from ..model.transformer import Transformer
+from ..perf.cpu_defaults import CPP_WRAPPER
 from ..perf.mbu import (decode_bytes, launch_counts, measure_bandwidth, mbu, peak_for,
                     quiet_native_stderr)
 from ..utils import bundled_model_path, synchronize
@@ -40,7 +41,6 @@ __all__ = ["COMPILED", "DTYPES", "LLAMA_CPP_KINDS", "llama_cpp_missing", "gguf_c
 
 
 COMPILED = "engine, compiled (ch. 7)"  # --compile off a GPU: section 14's runner
-CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16}

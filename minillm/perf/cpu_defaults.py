@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from ..bench.decode import CPP_WRAPPER
 from ..engine.config import ENGINE_OPTIONS
 from ..engine.llm import DEFAULT_OPTIONS
 from ..kernels.paged_decode import HEAD_DIMS
@@ -15,12 +14,13 @@ from ..model.loader import resolve_dtype
 
 
 # %% auto #0
-__all__ = ['FAST_PATH', 'FAST_QUANTIZATION', 'MIN_PARAMETERS', 'cpu_fast_path']
+__all__ = ['CPP_WRAPPER', 'FAST_PATH', 'FAST_QUANTIZATION', 'MIN_PARAMETERS', 'cpu_fast_path']
 
 # %% ../../chapters/07d_cpu_int4_tiles.ipynb #c9c2-default
+CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}  # section 4
 FAST_PATH = dict(compile_decode=True, fuse_projections=True,  # 7a, 7b
                  attention_backend="in_place",  # 7b
-                 inductor_compile_config=CPP_WRAPPER)  # section 4
+                 inductor_compile_config=CPP_WRAPPER)
 FAST_QUANTIZATION = (None, "int8-a8", "int4-a8")  # float32 models: 7c's, 7d's kernels
 MIN_PARAMETERS = 50_000_000  # below: a start of compiling for a step of a few ms
 
