@@ -165,7 +165,7 @@ def test_the_compiled_engine_calls_the_operator_in_its_step():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
         engine.step()  # one compiled decode step
     calls = [e for e in p.events() if e.name == "minillm::tiled_a8_linear"]
-    assert len(calls) == 4 * len(model.layers)  # fused: q/k/v, o, gate/up, down
+    assert len(calls) == 4 * len(model.layers) + 1  # q/k/v, o, gate/up, down; the head
     while engine.has_unfinished():
         engine.step()
     assert len(engine.pop(rid).output_ids) == 6
@@ -178,6 +178,21 @@ def test_the_benchmarks_run_the_mode_in_float32_with_an_int8_a8_head_in_blocks()
     assert type(fast.lm_head) is Int8A8Tiles  # 8 bits, blocks of 32: as Q8_0
     assert fast.norm.weight.dtype == torch.float32
     assert FAST_MODES["int4-a8"].label("int4-a8") == "int4-a8 + int8-a8-tiles head"
+
+
+def test_the_loaded_mode_brings_the_benchmarks_head():
+    """load_model(quantization="int4-a8") is fast_copy(model, "int4-a8") bit for bit:
+    its head in int8-a8-tiles, read from the tied embedding, which stays float."""
+    from minillm.bench.measure import fast_copy
+    loaded = load_model(bundled_model_path(), dtype=torch.float32, quantization="int4-a8")
+    fast = fast_copy(load_model(bundled_model_path(), dtype=torch.float32), "int4-a8")
+    assert type(loaded.lm_head) is Int8A8Tiles
+    assert loaded.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(loaded.embed_tokens.weight, fast.embed_tokens.weight)
+    ids = torch.randint(0, loaded.config.vocab_size, (2, 9))
+    positions = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, positions), fast(ids, positions))
 
 
 def test_a_model_in_the_mode_stays_close_to_chapter_5s_int4():

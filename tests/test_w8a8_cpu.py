@@ -122,6 +122,21 @@ def test_load_model_quantizes_on_load_to_the_same_layers():
     assert torch.equal(a.scale, b.scale)
 
 
+def test_the_loaded_mode_brings_its_head_in_blocks_of_32():
+    """The head, a fifth of SmolLM2's weights, is the mode's too (as fast_copy makes
+    it for the benchmarks): int8-a8 in blocks of 32, read from the tied embedding,
+    which stays float and is no longer shared."""
+    from minillm.bench.measure import fast_copy
+    loaded = load_model(bundled_model_path(), dtype=torch.float32, quantization="int8-a8")
+    fast = fast_copy(load_model(bundled_model_path(), dtype=torch.float32), "int8-a8")
+    assert type(loaded.lm_head) is Int8A8Linear and loaded.lm_head.group_size == 32
+    assert loaded.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(loaded.lm_head.weight, fast.lm_head.weight)
+    assert torch.equal(loaded.lm_head.scale, fast.lm_head.scale)
+    float32 = load_model(bundled_model_path(), dtype=torch.float32)
+    assert torch.equal(loaded.embed_tokens.weight, float32.embed_tokens.weight)
+
+
 def test_the_mode_is_registered_in_one_place_for_a_fresh_process():
     code = ("import sys, torch.nn as nn\nfrom minillm.quant.int8 import quantize\n"
             "m = quantize(nn.Sequential(nn.Linear(64, 8)), 'int8-a8', skip=())\n"
@@ -150,7 +165,7 @@ def test_the_compiled_engine_calls_the_operator_in_its_step():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
         engine.step()  # one compiled decode step
     calls = [e for e in p.events() if e.name == "minillm::int8_a8_linear"]
-    assert len(calls) == 4 * len(model.layers)  # fused: q/k/v, o, gate/up, down
+    assert len(calls) == 4 * len(model.layers) + 1  # q/k/v, o, gate/up, down; the head
     while engine.has_unfinished():
         engine.step()
     assert len(engine.pop(rid).output_ids) == 6

@@ -266,7 +266,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
     if quantization is not None:  # the registered mode swaps in its layers
         fill = QUANTIZATIONS[quantization](model, quantization)
     model = model.to(dtype=dtype).to_empty(device=device)  # storage, not initialised
-    if config.tie_word_embeddings:  # to_empty gave each its own tensor: tie again
+    tied, own_head = config.tie_word_embeddings, "lm_head.weight" in fill  # a mode that quantizes the head too
+    if tied and not own_head:  # to_empty untied them: tie again
         model.lm_head.weight = model.embed_tokens.weight
     model.rope.reset_tables()
 
@@ -282,6 +283,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                             fill[name](f.get_tensor(key))
                         else:
                             params[name].copy_(f.get_tensor(key))
+                        if own_head and name == "embed_tokens.weight" and tied:
+                            fill["lm_head.weight"](f.get_tensor(key))  # its copy
         except SafetensorError as e:
             raise ValueError(f"{file} cannot be read ({e})") from None
     return model.eval()

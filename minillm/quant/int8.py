@@ -482,12 +482,13 @@ def int8_layers_on_meta(model: nn.Module, mode: str = "int8",
     return fill
 
 
-def register_mode(name: str, mode: QuantMode) -> None:
+def register_mode(name: str, mode: QuantMode, load: Callable | None = None) -> None:
     """A mode, by name, for quantize(model, name) and, if it can be built on load,
-    load_model(path, quantization=name) (chapter 2's QUANTIZATIONS)."""
+    load_model(path, quantization=name) (chapter 2's QUANTIZATIONS) with `load`
+    (default: int8_layers_on_meta)."""
     MODES[name] = mode
     if mode.on_load:
-        QUANTIZATIONS[name] = int8_layers_on_meta
+        QUANTIZATIONS[name] = load or int8_layers_on_meta
 
 
 for _mode in ("w8a16", "w8a8"):  # load_model(path, quantization=...)

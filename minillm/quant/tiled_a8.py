@@ -14,7 +14,7 @@ from .fused import ROWS
 from ..kernels.build import build_cpu_kernel, cpp_files, define_op
 from .int8 import (INT4_GROUPS, Int4Linear, QuantMode, absmax_quantize,
                            int4_dequantize, int4_quantize, register_mode)
-from .w8a8_cpu import Int8A8Linear, quantized_blocks
+from .w8a8_cpu import Int8A8Linear, quantized_blocks, with_head
 
 # %% auto #0
 __all__ = ['tile_int4', 'untile_int4', 'tile_scales', 'tile_int8', 'tile_scale_zero', 'untile_scale_zero', 'kernel',
@@ -170,6 +170,7 @@ def _tiled_target(mode: str, groups: tuple):
 for _mode, _layer, _groups in [("int4-a8", Int4A8Linear, (None, *INT4_GROUPS)),
                                ("int8-a8-tiles", Int8A8Tiles, (None, 32))]:
     register_mode(_mode, QuantMode(  # quantize(model, "int4-a8", group_size=64),
-        _layer, grouped=True, check=_tiled_target(_mode, _groups), on_load=True))
+        _layer, grouped=True, check=_tiled_target(_mode, _groups), on_load=True),
+        load=with_head("int8-a8-tiles"))  # load_model: the head in 8 bits, tiled
 ROWS[Int4A8Linear] = {"weight": 0, "scale_zero": 0, "bias": 0}  # fusing stacks tiles
 ROWS[Int8A8Tiles] = {"weight": 0, "scale": 0, "bias": 0}

@@ -6,14 +6,16 @@ blocks of 32, with AVX-512 VNNI's integer dot products (mode "int8-a8")."""
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
 from ..kernels.build import build_cpu_kernel, cpp_files, define_op
-from .int8 import PackedInt8Linear, QuantMode, register_mode
+from .int8 import (MODES, PackedInt8Linear, QuantMode, int8_layers_on_meta,
+                                register_mode)
 
 # %% auto #0
-__all__ = ['blockwise_linear', 'kernel', 'quantized_blocks', 'folded_blocks', 'Int8A8Linear']
+__all__ = ['blockwise_linear', 'kernel', 'quantized_blocks', 'folded_blocks', 'Int8A8Linear', 'with_head']
 
 # %% ../../chapters/07c_cpu_int8_activations.ipynb #c9ag-a8
 def blockwise_linear(x, w, scale, block: int = 32) -> torch.Tensor:
@@ -87,6 +89,23 @@ def _int8_a8_target(name: str, linear, group_size) -> None:
         raise ValueError(f"{name}: in_features={linear.in_features}; mode 'int8-a8' "
                          "needs a multiple of 64 (use 'int8')")
 
+# %% ../../chapters/07c_cpu_int8_activations.ipynb #c9am2-head
+def with_head(head: str, group_size: int | None = None) -> Callable:
+    """How load_model builds a mode that brings its LM head: chapter 5's layers on
+    the meta device, and lm_head as a `head` layer (chapter 13's head, split over
+    ranks, stays in float)."""
+    def on_meta(model: torch.nn.Module, mode: str) -> dict:
+        fill = int8_layers_on_meta(model, mode)
+        linear = model.lm_head
+        if type(linear) is torch.nn.Linear:
+            model.lm_head = MODES[head].layer(
+                linear.in_features, linear.out_features, linear.bias is not None,
+                group_size=group_size, dtype=linear.weight.dtype, device="meta")
+            fill["lm_head.weight"] = model.lm_head.load_float
+        return fill
+    return on_meta
+
 
 register_mode("int8-a8", QuantMode(  # quantize(model, "int8-a8", group_size=32),
-    Int8A8Linear, grouped=True, check=_int8_a8_target, on_load=True))  # load_model
+    Int8A8Linear, grouped=True, check=_int8_a8_target, on_load=True),
+    load=with_head("int8-a8", 32))  # load_model: the layers and the head
