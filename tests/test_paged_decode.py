@@ -109,7 +109,9 @@ def arrivals():
 
 
 def test_in_place_gives_the_gather_tokens_in_float32(wide_heads):
-    served = {}
+    """... with one compiled decode step per batch size (the kernel is span-free),
+    where the gather compiles one per span its rows reach."""
+    served, spans = {}, {}
     for backend in ("gather", "in_place"):
         engine = LLMEngine(wide_heads, max_num_seqs=4, kv_cache="paged",
                            max_model_len=128, block_size=8, compile_decode=True,
@@ -119,7 +121,9 @@ def test_in_place_gives_the_gather_tokens_in_float32(wide_heads):
         assert isinstance(runner.step_kv, PagesInPlace) == (backend == "in_place")
         served[backend] = [r.seq.output_ids for r in drive(engine, arrivals()).values()]
         assert sum(runner.used.values()) > 10  # decode steps went through it
+        spans[backend] = {span for _, span, _ in runner.steps}
     assert served["gather"] == served["in_place"]
+    assert spans["in_place"] == {128} and len(spans["gather"]) > 1
 
 
 def test_the_option_and_its_checks(llama, wide_heads):

@@ -40,7 +40,9 @@ DECODE_ATTENTION = Registry("minillm.engine.compiled.DECODE_ATTENTION")
 DECODE_ATTENTION["gather"] = lambda kv: kv
 """What a compiled step hands the model as its KV backend, by attention_backend name:
 chapter 6's pool itself (its gather copies each row's context, then PyTorch's
-attention), or what appendix 7b adds. Each is called with the pool."""
+attention), or what appendix 7b adds. Each is called with the pool. One whose
+`span_free` is True reads each row's own pages whatever the span: its decode steps
+need one span, the longest (one compiled step per batch size)."""
 
 
 def _compile_now(self, key: tuple[int, int], ids, meta) -> torch.Tensor:
@@ -91,6 +93,13 @@ class CompiledForward(GraphForward):
             "freezing": self.freezing, "emulate_precision_casts": True,
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             **self.inductor})
+
+    def key(self, batch_size: int, context: int, width: int = 1) -> tuple | None:
+        """Chapter 7's bucket; a span-free backend's decode rows: the longest span."""
+        if width == 1 and getattr(self.step_kv, "span_free", False) \
+                and context <= self.spans[-1]:
+            context = self.spans[-1]
+        return super().key(batch_size, context, width)
 
     def forward_step(self, key: tuple[int, int, int], ids, meta) -> torch.Tensor:
         if key not in self.steps:

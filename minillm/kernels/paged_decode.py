@@ -77,6 +77,7 @@ def paged_decode(q, k_pool, v_pool, block_tables, lengths,
 class PagesInPlace:
     """What a compiled decode step hands the model as its KV backend when
     attention_backend="in_place": the paged pool's store, then the kernel."""
+    span_free = True  # reads each row's own pages: one compiled step per batch size
 
     def __init__(self, kv):
         c = kv.k[0]

@@ -266,7 +266,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
     if quantization is not None:  # the registered mode swaps in its layers
         fill = QUANTIZATIONS[quantization](model, quantization)
     model = model.to(dtype=dtype).to_empty(device=device)  # storage, not initialised
-    tied, own_head = config.tie_word_embeddings, "lm_head.weight" in fill  # a mode that quantizes the head too
+    tied = config.tie_word_embeddings
+    own_head = "lm_head.weight" in fill  # a mode that quantizes the head too
     if tied and not own_head:  # to_empty untied them: tie again
         model.lm_head.weight = model.embed_tokens.weight
     model.rope.reset_tables()

@@ -160,11 +160,10 @@ def token_vocab(tokenizer, vocab_size: int) -> list[bytes]:
 
 
 def xgrammar_available() -> bool:
-    try:
-        import xgrammar  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    """Whether xgrammar is installed, found without importing it (an import
+    takes a second: transformers comes with it)."""
+    import importlib.util
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 BACKENDS = {"minillm": FSMBackend, "xgrammar": XGrammarBackend}
