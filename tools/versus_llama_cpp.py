@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from minillm.bench.decode import engine_run, gguf_copy  # noqa: E402
-from minillm.perf.cpu_defaults import CPP_WRAPPER  # noqa: E402
+from minillm.perf.cpu_defaults import FAST_PATH  # noqa: E402
 from minillm.bench.folders import model_folder  # noqa: E402
 from minillm.bench.measure import fast_copy, greedy, random_prompt  # noqa: E402
 from minillm.engine import LLMEngine  # noqa: E402
@@ -43,8 +43,7 @@ from minillm.model.loader import load_model  # noqa: E402
 
 PRECISIONS = {"float32": (None, "F32"), "8 bits": ("int8-a8", "Q8_0"),
               "4 bits": ("int4-a8", "Q4_0")}
-FAST = dict(compile_decode=True, fuse_projections=True, attention_backend="in_place",
-            inductor_compile_config=CPP_WRAPPER)
+FAST = FAST_PATH  # what LLM(folder) runs on a CPU: appendix 7d, section 6
 BATCH, PROMPT, NEW, LONG = 32, 128, 64, 1024
 
 
