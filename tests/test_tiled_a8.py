@@ -146,6 +146,19 @@ def test_the_mode_is_registered_in_one_place_for_a_fresh_process():
     assert out.split() == ["Int4A8Linear", "True"]
 
 
+def test_an_int8_tile_layer_alone_loads_the_kernel():
+    """Int8A8Tiles made first in a process (mode 'int8-a8-tiles', or a head before any
+    int4 layer) runs the C++ kernel, not the operator's PyTorch fallback."""
+    code = ("import torch, torch.nn as nn\n"
+            "from minillm.quant.tiled_a8 import Int8A8Tiles\n"
+            "Int8A8Tiles.from_linear(nn.Linear(64, 16, bias=False))\n"
+            "print(torch._C._dispatch_has_kernel_for_dispatch_key("
+            "'minillm::tiled_a8_linear', 'CPU'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split()[-1] == "True"
+
+
 def test_stacked_layers_give_the_separate_outputs_bit_for_bit():
     parts = [Int4A8Linear.from_linear(nn.Linear(128, n, bias=False)) for n in (32, 16, 16)]
     fused = stack_rows(parts)

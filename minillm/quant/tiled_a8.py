@@ -128,6 +128,7 @@ class Int8A8Tiles(Int8A8Linear):
 
     def __init__(self, in_features, out_features, bias=True, group_size=None, **kw):
         super().__init__(in_features, out_features, bias, 32, **kw)  # always 32
+        kernel()  # this page's kernel (the parent's __init__ loaded appendix 7c's)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group_size=None):
