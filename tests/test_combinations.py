@@ -35,6 +35,8 @@ COMBINATIONS = {  # name: (LLM's load arguments, its engine options)
                                              fuse_projections=True)),
     "float32, int8-a8, fast path": (dict(dtype="float32", quantization="int8-a8"), FAST),
     "float32, int4-a8, fast path": (dict(dtype="float32", quantization="int4-a8"), FAST),
+    "float32, int8-a8-tiles, fast path": (dict(dtype="float32",
+                                               quantization="int8-a8-tiles"), FAST),
 }
 TINY = str(bundled_model_path())  # head_dim 32: the in-place kernel takes it
 PROMPTS = [[1, 5, 9, 13, 17], [1, 30, 31, 32]]

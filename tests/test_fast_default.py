@@ -35,7 +35,7 @@ def test_a_float32_model_of_real_size_gets_the_whole_fast_path():
     assert chosen() == FAST_PATH
     assert set(FAST_PATH) == {"compile_decode", "fuse_projections",
                               "attention_backend", "inductor_compile_config"}
-    for quantization in ("int8-a8", "int4-a8"):  # 7c's and 7d's float32 kernels
+    for quantization in ("int8-a8", "int8-a8-tiles", "int4-a8"):  # 7c, 7d: float32
         assert chosen(quantization=quantization) == FAST_PATH
     assert chosen() is not chosen()  # a fresh dict: a caller cannot change the rule
 

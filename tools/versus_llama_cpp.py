@@ -4,8 +4,8 @@
     python tools/versus_llama_cpp.py --repeats 1 --no-csv
 
 For each precision (float32: the lossless fast path against llama.cpp F32; 8 bits:
-int8-a8 against Q8_0; 4 bits: int4-a8 against Q4_0), four workloads, every way once per
-round, rounds in turns, medians reported:
+int8-a8-tiles against Q8_0; 4 bits: int4-a8 against Q4_0), four workloads, every way once
+per round, rounds in turns, medians reported:
 
 - next token at batch 1: ms per token (128-token prompt, 64 new tokens, the median gap);
 - first token of a 128- and of a 1,024-token prompt: ms from the request to its first
@@ -13,8 +13,10 @@ round, rounds in turns, medians reported:
 - batch 32: 32 requests of 128 random tokens each, 64 new tokens each, all at once:
   tokens/s of the whole run (prefill included) and of its decode steps alone.
 
-The engine runs with every option of its fast path (compile_decode, fuse_projections,
-attention_backend="in_place", inductor's C++ wrapper); llama.cpp (llama-cpp-python) runs
+The engine loads each mode as LLM(folder, quantization=mode) does (its 8-bit head in
+blocks of 32, in tiles: as the GGUF files' Q8_0 head) and runs every option of its fast
+path (compile_decode, fuse_projections, attention_backend="in_place", inductor's C++
+wrapper); llama.cpp (llama-cpp-python) runs
 the same weights written as GGUF files (chapter 2's writer), batched through its own
 llama_batch API with one sequence id per request, its KV cache in float16. Needs
 llama-cpp-python (see ../shared/notes or the README for building it on an AMX CPU).
@@ -37,11 +39,11 @@ sys.path.insert(0, str(ROOT))
 from minillm.bench.decode import engine_run, gguf_copy  # noqa: E402
 from minillm.perf.cpu_defaults import FAST_PATH  # noqa: E402
 from minillm.bench.folders import model_folder  # noqa: E402
-from minillm.bench.measure import fast_copy, greedy, random_prompt  # noqa: E402
+from minillm.bench.measure import greedy, random_prompt  # noqa: E402
 from minillm.engine import LLMEngine  # noqa: E402
 from minillm.model.loader import load_model  # noqa: E402
 
-PRECISIONS = {"float32": (None, "F32"), "8 bits": ("int8-a8", "Q8_0"),
+PRECISIONS = {"float32": (None, "F32"), "8 bits": ("int8-a8-tiles", "Q8_0"),
               "4 bits": ("int4-a8", "Q4_0")}
 FAST = FAST_PATH  # what LLM(folder) runs on a CPU: appendix 7d, section 6
 BATCH, PROMPT, NEW, LONG = 32, 128, 64, 1024
@@ -195,7 +197,9 @@ def main(argv=None) -> int:
         mode, kind = PRECISIONS[precision]
         print(f"building {precision}: the engine ({mode or 'float32'}) and llama.cpp "
               f"{kind}", flush=True)
-        ways[precision, "minillm"] = Ours(fast_copy(base, mode) if mode else base)
+        model = load_model(folder, dtype=torch.float32, quantization=mode) if mode \
+            else base  # the mode with its head, as LLM(folder, quantization=mode)
+        ways[precision, "minillm"] = Ours(model)
         ways[precision, f"llama.cpp {kind}"] = LlamaCpp(gguf_copy(folder, kind),
                                                         args.threads)
     tasks = {"next token, batch 1 (ms)": lambda w: w.next_token_ms(short),

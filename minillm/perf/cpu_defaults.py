@@ -22,7 +22,8 @@ FAST_PATH = dict(compile_decode=True, fuse_projections=True,  # 7a, 7b
                  attention_backend="in_place",  # 7b
                  inductor_compile_config={**CPP_WRAPPER,
                                           "cpp.vec_isa_ok": True})  # below
-FAST_QUANTIZATION = (None, "int8-a8", "int4-a8")  # float32 models: 7c's, 7d's kernels
+FAST_QUANTIZATION = (None, "int8-a8", "int8-a8-tiles",  # float32 models: 7c's,
+                     "int4-a8")  # 7d's kernels
 MIN_PARAMETERS = 50_000_000  # below: a start of compiling for a step of a few ms
 
 
