@@ -23,10 +23,20 @@ from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.model.sources import real_model
 
-torch.set_num_threads(1)
 VOCAB = 49152
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True)
 ON = {"batch_invariant": True}
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """Each test on two threads, whatever other modules set at import: the "off"
+    cases need this CPU's kernels to split the rows' work differently by batch size
+    (on one thread, a decode step and a verify row got the same bits)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -83,9 +83,9 @@ class CompiledForward(GraphForward):
         batch, span, width = key
         kv = self.step_kv if width == 1 else self.kv  # verify rows: the pool's
 
-        def step(ids, positions, slot_mapping, block_tables):
+        def step(ids, positions, slot_mapping, block_tables, extras):
             meta = StepMeta(positions=positions, slot_mapping=slot_mapping,
-                            block_tables=block_tables,
+                            block_tables=block_tables, extras=extras,
                             max_context=span)  # a constant: the bucket's span
             return self.model(ids, positions, kv=kv, meta=meta)
         step = _own_code(step, f"step_{batch}x{span}x{width}")
@@ -106,7 +106,7 @@ class CompiledForward(GraphForward):
             self.steps[key] = self.compiled_step(key)
             return _compile_now(self, key, ids, meta)  # timed, reported
         return self.steps[key](ids, meta.positions, meta.slot_mapping,
-                               meta.block_tables)
+                               meta.block_tables, meta.extras)
 
 # %% ../../chapters/07a_cpu_speed.ipynb #c97z-cstep
 def compiled_forward(engine, buckets: list[int] | None = None,

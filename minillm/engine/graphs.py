@@ -10,7 +10,7 @@ import time
 import torch
 
 from .config import register_engine_option
-from .runner import Forward
+from .runner import STEP_EXTRAS, Forward
 from ..model.transformer import StepMeta
 from ..perf.mbu import _check_ints
 from ..utils import check_int, synchronize
@@ -85,7 +85,8 @@ def _buffers(self, key: tuple[int, int, int]) -> tuple:
     def z(*shape):
         return torch.zeros(*shape, dtype=torch.long, device=self.device)
     meta = StepMeta(positions=z(b, width), slot_mapping=z(b, width),
-                    block_tables=z(b, blocks), max_context=span)
+                    block_tables=z(b, blocks), max_context=span,
+                    extras={name: z(b, width) for name in STEP_EXTRAS})
     ids = z(b, width)
     self._fill(ids, meta, None, None)
     return ids, meta
@@ -98,6 +99,10 @@ def _fill(self, ids, meta, new_ids, new_meta) -> None:
     meta.positions[B:] = 0
     meta.block_tables[B:] = 0
     ids[B:] = 0
+    for name, extra in meta.extras.items():    # chapter 4's step extras: 0 pads
+        extra[B:] = 0
+        if B:
+            extra[:B] = new_meta.extras[name]
     if B:
         ids[:B] = new_ids
         meta.positions[:B] = new_meta.positions

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from ..features import Registry
 from ..model.transformer import StepMeta
 from ..sampling import _pick, _scale, make_generator, sample
 from ..sequence import Logprob, Sequence, block_early_stop
 
 # %% auto #0
-__all__ = ['Forward', 'ModelRunner', 'token_logprobs', 'logit_positions', 'logprob_rows', 'SeenIds']
+__all__ = ['STEP_EXTRAS', 'Forward', 'ModelRunner', 'token_logprobs', 'logit_positions', 'logprob_rows', 'SeenIds']
 
 # %% ../../chapters/04_continuous_batching.ipynb #c31-runner
 class Forward:
@@ -74,7 +75,7 @@ def _prepare_packed(self, seqs: list[Sequence], num_new: list[int], rows=None):
         lens.append(c + n)
     rows = rows or [1] * len(seqs)
     meta = self._meta(seqs, [positions], [slots], lens, [
-        i for end, r in zip(starts[1:], rows) for i in range(end - r, end)])
+        i for end, r in zip(starts[1:], rows) for i in range(end - r, end)], num_new)
     meta.query_start_loc = self._tensor(starts)
     meta.seq_lens = self._tensor(lens)
     meta.cache["host"] = starts, lens  # attention's plan: no read from the device
@@ -113,14 +114,26 @@ def _tensor(self, x) -> torch.Tensor:
     return host.to(self.device, non_blocking=True)
 
 
-def _meta(self, seqs, positions, slots, lengths, logits_index) -> StepMeta:
+# name -> (Sequence -> int): a later chapter's per-request input that the model
+# reads at every token (0: none; padding rows hold 0), in meta.extras[name]
+STEP_EXTRAS = Registry("minillm.engine.runner.STEP_EXTRAS")
+
+
+def _meta(self, seqs, positions, slots, lengths, logits_index,
+          counts=None) -> StepMeta:
+    """counts: each request's tokens in the step, in order (None: a row each)."""
     tables = [self.kv.block_table(s) for s in seqs]
     width = max(len(b) for b in tables)
     tables = [b + [0] * (width - len(b)) for b in tables]  # past a row's length:
-    return StepMeta(positions=self._tensor(positions),        # masked
+    meta = StepMeta(positions=self._tensor(positions),        # masked
                     logits_index=self._tensor(logits_index),
                     slot_mapping=self._tensor(slots),
                     block_tables=self._tensor(tables), max_context=max(lengths))
+    counts = counts or [len(row) for row in positions]
+    for name, value in STEP_EXTRAS.items():  # each request's value, per token
+        per_token = [v for s, n in zip(seqs, counts) for v in [value(s)] * n]
+        meta.extras[name] = self._tensor(per_token).view(len(positions), -1)
+    return meta
 
 
 ModelRunner._tensor, ModelRunner._meta = _tensor, _meta

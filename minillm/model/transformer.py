@@ -114,6 +114,8 @@ class StepMeta:
     # Chapter 4's packed steps: one row (B = 1) holds the new tokens of n requests
     query_start_loc: torch.Tensor | None = None  # [n + 1] where each one starts
     seq_lens: torch.Tensor | None = None  # [n] positions each holds after the step
+    extras: dict = field(default_factory=dict)  # name -> [B, T]: a later chapter's
+    #   per-token input, laid out as positions (chapter 4's STEP_EXTRAS)
     cache: dict = field(default_factory=dict, repr=False)  # e.g. the mask, built once
 
 # %% ../../chapters/02_naive_loop.ipynb #c021-b

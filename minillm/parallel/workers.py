@@ -34,17 +34,19 @@ def pack_step(input_ids, positions, kv_key, meta: StepMeta | None) -> tuple:
     host = lambda x: x.cpu().numpy() if isinstance(x, torch.Tensor) else x
     fields = None
     if meta is not None:
-        fields = {f.name: host(getattr(meta, f.name))
-                  for f in dataclasses.fields(meta) if f.name != "cache"}
+        fields = {f.name: host(getattr(meta, f.name)) for f in dataclasses.fields(meta)
+                  if f.name not in ("cache", "extras")}
         fields["cache"] = {k: v for k, v in meta.cache.items() if k == "host"}
+        fields["extras"] = {k: host(v) for k, v in meta.extras.items()}
     return host(input_ids), host(positions), kv_key, fields
 
 
 def unpack_step(step: tuple, device: torch.device) -> tuple:
     ids, positions, kv_key, fields = step
     dev = lambda x: torch.from_numpy(x).to(device) if hasattr(x, "dtype") else x
-    meta = None if fields is None else StepMeta(
-        **{k: (v if k == "cache" else dev(v)) for k, v in fields.items()})
+    meta = None if fields is None else StepMeta(**{
+        k: v if k == "cache" else {n: dev(x) for n, x in v.items()} if k == "extras"
+        else dev(v) for k, v in fields.items()})
     return dev(ids), dev(positions), kv_key, meta
 
 
